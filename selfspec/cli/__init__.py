@@ -1,0 +1,1 @@
+"""Command-line interface: `selfspec <command>`, one module with a `main(argv)` per command."""

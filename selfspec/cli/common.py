@@ -1,0 +1,47 @@
+"""Pieces shared by the CLI commands: one-line errors with exit code 2, and the model options."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from selfspec.errors import SelfspecError
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Raised by ArgumentParser.error; reported on one line with exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print the whole usage block; one line is enough
+        raise UsageError(message)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a checkpoint dir, or a .gguf")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+    p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
+    p.add_argument("--kv-cache-tokens", type=positive_int, help="KV cache capacity in tokens (default: min(context, 8192))")
+
+
+def run(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, body: Callable[[argparse.Namespace], int]) -> int:
+    """Parses argv and runs body; input errors become `prog: error: ...` on stderr and exit code 2."""
+    try:
+        args = parser.parse_args(argv)
+        return body(args)
+    except (UsageError, SelfspecError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

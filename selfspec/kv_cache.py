@@ -1,0 +1,162 @@
+"""Paged KV cache: a preallocated pool of fixed-size blocks per layer, addressed through per-sequence
+block tables. Truncation (speculative rollback) edits metadata only; entries past the new length are
+simply overwritten by later writes."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import AttentionBatch
+from .errors import CacheFullError
+
+NULL_BLOCK = 0  # never handed out: padded query tokens of a batch write here
+
+
+@dataclass
+class SequenceKV:
+    """One sequence's view of the cache: which blocks hold its positions, and how many are valid."""
+
+    seq_id: int
+    block_table: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is reserved)")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # Per layer [k/v, kv_heads, blocks, block_size, head_dim]: one gather along dim 2 reads k and v.
+        # Zero-filled so that padded (masked) keys never carry NaN into attention.
+        self.layers = [
+            torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype) for _ in range(num_layers)
+        ]
+        self.refcount = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # a stack: pop() hands out low ids first
+        self._ids = itertools.count()
+
+    # ---- accounting -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def blocks_needed(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    # ---- sequence lifecycle -----------------------------------------------------------------------
+    def allocate(self) -> SequenceKV:
+        return SequenceKV(seq_id=next(self._ids))
+
+    def fork(self, seq: SequenceKV) -> SequenceKV:
+        """A new sequence sharing all of `seq`'s blocks (refcounted); a later write copies only the
+        block it writes into, if shared."""
+        for b in seq.block_table:
+            self.refcount[b] += 1
+        return SequenceKV(seq_id=next(self._ids), block_table=list(seq.block_table), length=seq.length)
+
+    def free(self, seq: SequenceKV) -> None:
+        self._release(seq.block_table)
+        seq.block_table = []
+        seq.length = 0
+
+    def truncate(self, seq: SequenceKV, length: int) -> None:
+        """Keep positions [0, length): O(1) in the data, only whole blocks past the end are released."""
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"truncate to {length}: sequence holds {seq.length} positions")
+        keep = self.blocks_needed(length)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        seq.length = length
+
+    def reserve(self, seq: SequenceKV, start: int, num_tokens: int) -> None:
+        """Makes positions [start, start + num_tokens) writable for `seq`, allocating blocks and
+        copying a shared block before it is written (copy-on-write)."""
+        if start > seq.length:
+            raise ValueError(f"write at {start} would leave a gap: sequence holds {seq.length} positions")
+        end = start + num_tokens
+        new_blocks = self.blocks_needed(end) - len(seq.block_table)
+        shared = [i for i in range(start // self.block_size, len(seq.block_table)) if self.refcount[seq.block_table[i]] > 1]
+        if new_blocks + len(shared) > len(self._free):
+            raise CacheFullError(
+                f"KV cache full: {new_blocks + len(shared)} more blocks of {self.block_size} tokens needed, "
+                f"{len(self._free)} free of {self.num_blocks - 1}; raise kv_cache_tokens or free sequences"
+            )
+        for i in shared:
+            self._copy_on_write(seq, i)
+        for _ in range(max(new_blocks, 0)):
+            seq.block_table.append(self._take())
+        seq.length = max(seq.length, end)
+
+    # ---- attention metadata -----------------------------------------------------------------------
+    def prepare(self, seqs: list[SequenceKV], num_tokens: list[int], starts: list[int] | None = None) -> AttentionBatch:
+        """Reserves room for `num_tokens[b]` new positions of sequence b (from its length, or from
+        `starts[b]`) and describes the write and the read for one forward pass over them."""
+        starts = [s.length for s in seqs] if starts is None else starts
+        for seq, start, n in zip(seqs, starts, num_tokens):
+            self.reserve(seq, start, n)
+        width = max(num_tokens)
+        positions = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, S]
+        slots = torch.full((len(seqs), width), NULL_BLOCK * self.block_size, dtype=torch.long)  # [B, S]
+        kv_lens = []
+        for b, (seq, start, n) in enumerate(zip(seqs, starts, num_tokens)):
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            positions[b, :n] = pos
+            slots[b, :n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            kv_lens.append(start + n)
+        max_blocks = self.blocks_needed(max(kv_lens))
+        tables = torch.full((len(seqs), max_blocks), NULL_BLOCK, dtype=torch.long)  # [B, max_blocks]
+        for b, seq in enumerate(seqs):
+            used = self.blocks_needed(kv_lens[b])
+            tables[b, :used] = torch.tensor(seq.block_table[:used], dtype=torch.long)
+        return AttentionBatch(
+            positions=positions,
+            block_tables=tables,
+            kv_lens=kv_lens,
+            write_slots=slots.flatten(),
+            block_size=self.block_size,
+            num_tokens=list(num_tokens),
+        )
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _take(self) -> int:
+        block = self._free.pop()
+        self.refcount[block] = 1
+        return block
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                self._free.append(b)
+
+    def _copy_on_write(self, seq: SequenceKV, index: int) -> None:
+        old = seq.block_table[index]
+        new = self._take()
+        for layer in self.layers:
+            layer[:, :, new] = layer[:, :, old]
+        self.refcount[old] -= 1
+        seq.block_table[index] = new
