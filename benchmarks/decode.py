@@ -2,6 +2,7 @@
 threads, interleaved prompt by prompt in one run (the order alternates to cancel drift).
 
     python benchmarks/decode.py [--dtypes float32,bfloat16] [--prompts 8] [--new-tokens 128] [--threads 2]
+                                [--repeats 2]
 
 Prints per-prompt tokens/s and ratios, and writes benchmarks/results/decode.{json,md}."""
 
@@ -50,7 +51,7 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_dtype(dtype: str, prompts: list[dict], new_tokens: int) -> dict:
+def bench_dtype(dtype: str, prompts: list[dict], new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     engine = Engine.from_pretrained("default", dtype=dtype)
@@ -74,9 +75,11 @@ def bench_dtype(dtype: str, prompts: list[dict], new_tokens: int) -> dict:
     for i, q in enumerate(prompts):
         ids = engine.encode(q["turns"][0])
         order = [("selfspec", ours), ("transformers", theirs)]
-        times, outputs = {}, {}
-        for name, fn in order if i % 2 == 0 else order[::-1]:
-            times[name] = timed(lambda: outputs.__setitem__(name, fn(ids)))
+        times, outputs = {"selfspec": [], "transformers": []}, {}
+        for r in range(repeats):
+            for name, fn in order if (i + r) % 2 == 0 else order[::-1]:
+                times[name].append(timed(lambda: outputs.__setitem__(name, fn(ids))))
+        times = {name: statistics.median(t) for name, t in times.items()}
         row = {
             "question_id": q["question_id"],
             "category": q["category"],
@@ -117,7 +120,8 @@ def write_results(out_dir: Path, result: dict) -> None:
         "",
         markdown(result["machine"]),
         f"Default model (SmolLM2-135M-Instruct), greedy, {result['new_tokens']} new tokens, EOS ignored, "
-        "timed end to end (prefill included), the two engines interleaved prompt by prompt.",
+        f"timed end to end (prefill included), the two engines interleaved prompt by prompt, median of "
+        f"{result['repeats']} runs each.",
         "",
         "| dtype | selfspec tok/s (median) | transformers tok/s (median) | median ratio |",
         "|---|---|---|---|",
@@ -143,6 +147,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="timings per prompt and engine (median kept)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -151,7 +156,8 @@ def main() -> None:
         "benchmark": "decode",
         "machine": describe(args.threads),
         "new_tokens": args.new_tokens,
-        "dtypes": [bench_dtype(d, prompts, args.new_tokens) for d in args.dtypes.split(",")],
+        "repeats": args.repeats,
+        "dtypes": [bench_dtype(d, prompts, args.new_tokens, args.repeats) for d in args.dtypes.split(",")],
     }
     for r in result["dtypes"]:
         print(f"{r['dtype']}: median selfspec/transformers = {r['median_ratio']:.2f}x")

@@ -16,12 +16,90 @@ from .detokenizer import TextStream
 from .errors import SelfspecError
 from .kv_cache import SequenceKV
 from .loader import DEFAULT_MODEL, LoadedModel, load
-from .sampling import SamplingParams, make_generator, next_token
+from .sampling import SamplingParams, make_generator
+from .policy import PolicyDecision, SpecOverride, SpecPolicy
+from .profile import Profile, default_profile_path
+from .speculative import RoundResult, SpecConfig, plain_round, speculative_round
 
 PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the [S, T] attention scores
 DEFAULT_KV_TOKENS = 8192
 
 Prompt = str | Sequence[dict] | Sequence[int]
+
+
+@dataclass
+class SpecStats:
+    """Speculation counted per round: a round drafts γ tokens and emits accepted + 1."""
+
+    draft_layers: int
+    num_speculative_tokens: int
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [γ] rounds that drafted position i
+    accepted_per_position: list[int] = field(default_factory=list)  # [γ] rounds that kept draft i
+    draft_seconds: float = 0.0  # the sequential draft steps
+    verify_seconds: float = 0.0  # verification, acceptance and rollback
+    full_steps: int = 0  # plain one-token steps of the same request (the first step is one)
+    full_step_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
+
+    def record(self, result: RoundResult) -> None:
+        accepted, gamma = result.num_accepted[0], result.drafted[0]
+        self.rounds += 1
+        self.drafted += gamma
+        self.accepted += accepted
+        for i in range(gamma):  # a round near the length limit drafts fewer than γ
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
+        self.draft_seconds += result.draft_seconds
+        self.verify_seconds += result.verify_seconds
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        """Sum of two requests' counters (same γ), for aggregated reports."""
+        out = SpecStats(self.draft_layers, self.num_speculative_tokens)
+        for name in ("rounds", "drafted", "accepted", "draft_seconds", "verify_seconds", "full_steps", "full_step_seconds"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)]
+        out.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        return out
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        return 1 + self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        """c: wall time of one draft step / one full plain step, both measured in this run."""
+        if not (self.drafted and self.full_steps):
+            return 0.0
+        return (self.draft_seconds / self.drafted) / (self.full_step_seconds / self.full_steps)
+
+    @property
+    def verify_cost_ratio(self) -> float:
+        """Wall time of one verification (layers [N, L) over γ + 1 tokens, acceptance, rollback) / one
+        full plain step. Self-speculation verifies with only L - N layers, so this is often below 1."""
+        if not (self.rounds and self.full_steps):
+            return 0.0
+        return (self.verify_seconds / self.rounds) / (self.full_step_seconds / self.full_steps)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["verify_cost_ratio"] = self.verify_cost_ratio
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_tokens_per_round"] = self.mean_tokens_per_round
+        d["draft_cost_ratio"] = self.draft_cost_ratio
+        d["acceptance_per_position"] = [
+            a / n if n else 0.0 for a, n in zip(self.accepted_per_position, self.drafted_per_position)
+        ]
+        return d
 
 
 @dataclass
@@ -32,6 +110,8 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # wall time inside decoding steps
     time_to_first_token: float = 0.0
+    spec: SpecStats | None = None  # None for plain decoding
+    spec_policy: str = ""  # why this request speculates (or not), as decided by the policy
 
     @property
     def tokens_per_second(self) -> float:
@@ -43,6 +123,7 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["spec"] = self.spec.to_dict() if self.spec else None
         d["tokens_per_second"] = self.tokens_per_second
         d["prompt_tokens_per_second"] = self.prompt_tokens_per_second
         return d
@@ -80,6 +161,8 @@ class Request:
     generator: torch.Generator
     text: TextStream
     max_length: int  # prompt + output may not exceed this many tokens
+    spec: SpecConfig | None = None
+    confidence_threshold: float = 0.0  # adaptive draft stop
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -99,8 +182,29 @@ class StepOutput:
     texts: list[str]  # text delta per token
 
 
+def _snapshot(stats: DecodeStats) -> DecodeStats:
+    if stats.spec is None:
+        return replace(stats)
+    spec = replace(
+        stats.spec,
+        drafted_per_position=list(stats.spec.drafted_per_position),
+        accepted_per_position=list(stats.spec.accepted_per_position),
+    )
+    return replace(stats, spec=spec)
+
+
+Speculation = SpecConfig | SpecOverride | str | bool | None  # "auto" (the policy), None/False (off), a config
+
+
 class Engine:
-    def __init__(self, loaded: LoadedModel, *, kv_cache_tokens: int | None = None, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        profile: Profile | str | None = None,
+    ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
@@ -115,6 +219,24 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.policy = SpecPolicy(self._profile(profile))
+
+    def _profile(self, profile: Profile | str | None) -> Profile | None:
+        """An explicit profile (object or path), else the shipped one for this model and dtype, if any."""
+        if isinstance(profile, Profile):
+            found = profile
+        elif profile is not None:
+            found = Profile.load(profile)
+        else:
+            dtype = str(self.model.dtype).replace("torch.", "")
+            path = default_profile_path(self.model.fingerprint, dtype)
+            found = Profile.load(path) if path.is_file() else None
+        if found is not None and found.fingerprint != self.model.fingerprint:
+            raise SelfspecError(
+                f"profile for model {found.model!r} (fingerprint {found.fingerprint}) does not match this model "
+                f"({self.model.fingerprint}): calibrate this model with selfspec calibrate"
+            )
+        return found
 
     @classmethod
     def from_pretrained(
@@ -124,12 +246,13 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         kv_cache_tokens: int | None = None,
         num_threads: int | None = None,
+        profile: Profile | str | None = None,
     ) -> "Engine":
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads={num_threads}: must be >= 1")
             torch.set_num_threads(num_threads)
-        return cls(load(model, dtype), kv_cache_tokens=kv_cache_tokens)
+        return cls(load(model, dtype), kv_cache_tokens=kv_cache_tokens, profile=profile)
 
     # ---- prompts ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
@@ -150,7 +273,38 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # ---- the step API -----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def decide(self, prompt_tokens: int, params: SamplingParams, spec: Speculation = "auto", *, category: str | None = None, batch_size: int = 1) -> PolicyDecision:
+        """Whether and how a request speculates: `spec` is "auto" (the policy decides from the profile),
+        None / False (plain), a SpecConfig (exactly that), or a SpecOverride (the request's say)."""
+        if spec is None or spec is False:
+            return PolicyDecision(None, "off: disabled by the request")
+        if isinstance(spec, SpecConfig):
+            spec.check(self.model.num_layers)
+            return PolicyDecision(spec, f"on: requested (N={spec.draft_layers}, gamma={spec.num_speculative_tokens})")
+        if spec is True:
+            spec = SpecOverride(enabled=True)
+        elif spec == "auto":
+            spec = SpecOverride()
+        elif not isinstance(spec, SpecOverride):
+            raise ValueError(f"spec={spec!r} is invalid: use 'auto', None, a SpecConfig or a SpecOverride")
+        decision = self.policy.decide(
+            num_layers=self.model.num_layers,
+            prompt_tokens=prompt_tokens,
+            temperature=params.temperature,
+            max_tokens=params.max_tokens,
+            category=category,
+            batch_size=batch_size,
+            override=spec,
+        )
+        if decision.spec is not None:
+            decision.spec.check(self.model.num_layers)
+        return decision
+
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, spec: Speculation = "auto", *, category: str | None = None
+    ) -> Request:
+        decision = self.decide(len(prompt_ids), params, spec, category=category)
+        spec = decision.spec
         if not prompt_ids:
             raise SelfspecError("empty prompt: it must hold at least one token")
         vocab = self.model.config.vocab_size
@@ -167,25 +321,50 @@ class Engine:
             generator=make_generator(params.seed),
             text=TextStream(self.tokenizer, prompt_ids, params.stop),
             max_length=min(self.max_model_len, len(prompt_ids) + params.max_tokens),
-            stats=DecodeStats(prompt_tokens=len(prompt_ids)),
+            spec=spec,
+            confidence_threshold=decision.confidence_threshold,
+            stats=DecodeStats(
+                prompt_tokens=len(prompt_ids),
+                spec=SpecStats(spec.draft_layers, spec.num_speculative_tokens) if spec else None,
+                spec_policy=decision.reason,
+            ),
         )
 
     @torch.inference_mode()
     def step(self, req: Request) -> StepOutput:
-        """One decoding step: feeds the last token, samples the next. The first step prefills."""
+        """One decoding step: a speculative round when the request asks for one, else one plain token.
+        The first step prefills; it is always plain, which gives the first token at the lowest latency
+        and measures the full-step cost that the draft cost ratio c is taken against."""
         if req.finished:
             raise SelfspecError("request already finished")
         if req.kv.length == 0 and len(req.prompt_ids) > 1:
             self._prefill(req)
+        remaining = req.max_length - len(req.prompt_ids) - len(req.output_ids)  # tokens it may still emit
+        spec = req.spec if req.stats.steps > 0 and remaining > 1 else None
         start = time.perf_counter()
-        logits = self._forward(req, [req.last_token])[:, -1]  # [1, vocab]
-        token = int(next_token(logits, req.params, req.generator)[0])
-        out = self._append(req, [token])
+        if spec is None:
+            result = plain_round(self.model, self.cache, [req.kv], [req.last_token], [req.params], [req.generator])
+        else:
+            gamma = min(spec.num_speculative_tokens, remaining - 1)  # never draft past the length limit
+            if gamma != spec.num_speculative_tokens:
+                spec = SpecConfig(spec.draft_layers, gamma)
+            result = speculative_round(
+                self.model, self.cache, [req.kv], [req.last_token], spec, [req.params], [req.generator],
+                confidence_threshold=req.confidence_threshold,
+            )
+        out = self._append(req, result.tokens[0])
         elapsed = time.perf_counter() - start
-        req.stats.decode_seconds += elapsed
-        if req.stats.steps == 0:
-            req.stats.time_to_first_token = req.stats.prefill_seconds + elapsed
-        req.stats.steps += 1
+        stats = req.stats
+        if stats.spec is not None:
+            if spec is None:
+                stats.spec.full_steps += 1
+                stats.spec.full_step_seconds += elapsed
+            else:
+                stats.spec.record(result)
+        stats.decode_seconds += elapsed
+        if stats.steps == 0:
+            stats.time_to_first_token = stats.prefill_seconds + elapsed
+        stats.steps += 1
         return out
 
     def release(self, req: Request) -> None:
@@ -193,22 +372,36 @@ class Engine:
 
     # ---- generation -------------------------------------------------------------------------------
     def stream_generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        spec: Speculation = "auto",
+        chat: bool = True,
+        category: str | None = None,
     ) -> Iterator[GenerationChunk]:
-        req = self.add_request(self.encode(prompt, chat=chat), params or SamplingParams())
+        req = self.add_request(self.encode(prompt, chat=chat), params or SamplingParams(), spec, category=category)
         try:
             while not req.finished:
                 out = self.step(req)
                 for i, (token, text) in enumerate(zip(out.token_ids, out.texts)):
                     last = i == len(out.token_ids) - 1
                     reason = req.finish_reason if last else None
-                    yield GenerationChunk(token, text, reason, replace(req.stats))
+                    yield GenerationChunk(token, text, reason, _snapshot(req.stats))
         finally:
             self.release(req)
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, chat: bool = True) -> GenerationResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        spec: Speculation = "auto",
+        chat: bool = True,
+        category: str | None = None,
+    ) -> GenerationResult:
         text, ids, reason, stats = [], [], "length", DecodeStats()
-        for chunk in self.stream_generate(prompt, params, chat=chat):
+        for chunk in self.stream_generate(prompt, params, spec=spec, chat=chat, category=category):
             text.append(chunk.text)
             ids.append(chunk.token_id)
             reason, stats = chunk.finish_reason or reason, chunk.stats
@@ -219,15 +412,13 @@ class Engine:
         start = time.perf_counter()
         ids = req.prompt_ids[:-1]
         for i in range(0, len(ids), PREFILL_CHUNK):
-            self._forward(req, ids[i : i + PREFILL_CHUNK], logits=False)
+            self._forward(req, ids[i : i + PREFILL_CHUNK])
         req.stats.prefill_seconds = time.perf_counter() - start
 
-    def _forward(self, req: Request, tokens: list[int], *, logits: bool = True) -> torch.Tensor:
-        """Runs all layers over `tokens` appended to the request's cache -> logits [1, S, vocab]."""
+    def _forward(self, req: Request, tokens: list[int]) -> None:
+        """Runs all layers over `tokens`, appending their K/V to the request's cache."""
         batch = self.cache.prepare([req.kv], [len(tokens)])
-        h = self.model.embed(torch.tensor([tokens]))
-        h = self.model.run_layers(h, 0, self.model.num_layers, batch, self.cache)
-        return self.model.logits(h[:, -1:]) if logits else h
+        self.model.run_layers(self.model.embed(torch.tensor([tokens])), 0, self.model.num_layers, batch, self.cache)
 
     def _append(self, req: Request, tokens: list[int]) -> StepOutput:
         """Appends sampled tokens until one finishes the request; returns those kept with their text."""

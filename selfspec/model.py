@@ -6,6 +6,7 @@ of these two functions against one paged KV cache."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +50,15 @@ class DecoderModel:
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the base model across dtypes: its architecture and the bfloat16 bits of a slice
+        of its embeddings. Profiles and draft adapters record it and refuse other models."""
+        c = self.config
+        arch = f"{c.model_type}|{c.vocab_size}|{c.hidden_size}|{c.intermediate_size}|{c.num_layers}|{c.num_heads}|{c.num_kv_heads}"
+        sample = self.embed_weight[:8, :64].to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        return hashlib.sha256(arch.encode() + sample).hexdigest()[:16]
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
         c = self.config

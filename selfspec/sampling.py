@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -96,3 +97,36 @@ def make_generator(seed: int | None) -> torch.Generator:
     else:
         g.manual_seed(seed)
     return g
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, vocab], one SamplingParams and generator per row -> (token ids [B], probabilities
+    [B, vocab] or None when every row is greedy). Greedy rows get the one-hot of their argmax."""
+    if all(p.greedy for p in params):
+        return logits.argmax(-1), None
+    probs = process_rows(logits, params)
+    return inverse_cdf(probs, uniforms(len(generators), 1, generators)[:, 0]), probs
+
+
+def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [B, ..., vocab] with one SamplingParams per row -> probabilities of the same shape."""
+    if all(p == params[0] for p in params):
+        return process_logits(logits, params[0])
+    return torch.stack([process_logits(logits[b], p) for b, p in enumerate(params)])
+
+
+def uniforms(batch: int, n: int, generators: torch.Generator | Sequence[torch.Generator | None] | None) -> torch.Tensor:
+    """[batch, n] uniform in [0, 1): from one generator per row, or from a single shared one."""
+    if generators is None or isinstance(generators, torch.Generator):
+        return torch.rand(batch, n, generator=generators)
+    return torch.stack([torch.rand(n, generator=g) for g in generators])
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [B, vocab] >= 0 (unnormalized), u [B] in [0, 1) -> one sampled index per row. Scaling u
+    by the total keeps it strictly below the last cumulative value, so a zero-weight token is never hit."""
+    cdf = weights.cumsum(-1)  # [B, vocab]
+    target = (u * cdf[:, -1])[:, None]  # [B, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=weights.shape[-1] - 1)

@@ -45,3 +45,24 @@ def run(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, body
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation (default: the calibration profile's policy decides)")
+    g.add_argument("--draft-layers", type=positive_int, metavar="N", help="draft with the first N layers")
+    g.add_argument("--gamma", type=positive_int, metavar="K", help="draft tokens per round (default 4)")
+    g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
+    g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
+    g.add_argument("--category", help="request category for the profile's buckets (e.g. qa, translation)")
+
+
+def spec_from_args(args: argparse.Namespace):
+    from selfspec.speculative import SpecConfig
+
+    if args.no_speculate:
+        return None
+    if args.draft_layers is None:
+        if args.gamma is not None:
+            raise ValueError("--gamma needs --draft-layers N (the draft depth)")
+        return "auto"
+    return SpecConfig(args.draft_layers, args.gamma or 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_model_args, add_spec_args, positive_int, run, spec_from_args
 
 PROG = "selfspec generate"
 
@@ -24,6 +24,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--system", help="system message (chat mode only)")
     p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason, stats")
+    add_spec_args(p)
     return p
 
 
@@ -56,15 +57,16 @@ def _body(args) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompt = _prompt(args)
+    spec = spec_from_args(args)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile
     )
     if args.json:
-        result = engine.generate(prompt, params, chat=not args.raw)
+        result = engine.generate(prompt, params, spec=spec, chat=not args.raw, category=args.category)
         print(json.dumps(result.to_dict()))
         return 0
     stats, reason = None, None
-    for chunk in engine.stream_generate(prompt, params, chat=not args.raw):
+    for chunk in engine.stream_generate(prompt, params, spec=spec, chat=not args.raw, category=args.category):
         print(chunk.text, end="", flush=True)
         stats, reason = chunk.stats, chunk.finish_reason
     print()
@@ -74,6 +76,15 @@ def _body(args) -> int:
         f"time to first token: {stats.time_to_first_token * 1000:.0f} ms | finish: {reason}",
         file=sys.stderr,
     )
+    print(f"--- speculation: {stats.spec_policy}", file=sys.stderr)
+    if stats.spec:
+        s = stats.spec
+        print(
+            f"--- speculative (N={s.draft_layers}, gamma={s.num_speculative_tokens}): {s.rounds} rounds, "
+            f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted}), "
+            f"{s.mean_tokens_per_round:.2f} tokens/round, draft cost ratio c={s.draft_cost_ratio:.2f}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -6,7 +6,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "generate": "generate text with the default or a local model (plain decoding for now)",
+    "generate": "generate text, with or without self-speculation",
+    "check-distribution": "test that speculative sampling leaves the output distribution unchanged",
+    "calibrate": "measure acceptance, costs and speedup per draft depth, gamma and bucket; write a profile",
+    "estimate": "the speedup model: tokens per round, cost per round, speedup, best gamma",
+    "roofline": "memory bandwidth, the decode step's lower bound, and the k-token forward cost curve",
+    "bench": "Spec-Bench-style speedup table against transformers peers",
 }
 
 
@@ -29,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"selfspec: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"selfspec.cli.{argv[0]}")
+    module = importlib.import_module(f"selfspec.cli.{argv[0].replace('-', '_')}")
     return module.main(argv[1:])
 
 

@@ -1,0 +1,87 @@
+"""Lossless acceptance of drafted tokens (speculative sampling: Leviathan et al. 2023, Chen et al. 2023).
+
+Terms, as in vLLM's rejection sampler:
+- draft tokens: the γ tokens d_1..d_γ proposed by the draft, each sampled from its distribution q_i.
+- accepted: the longest prefix of drafts kept; d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)),
+  where p_i is the target's distribution at the same position (both after the same temperature,
+  top-k and top-p processing).
+- recovered token: at the first rejected position k, a token sampled from normalize(max(0, p_k - q_k)).
+- bonus token: when all γ drafts are accepted, a token sampled from the target's last distribution.
+Every round therefore emits accepted + 1 tokens, distributed exactly as sampling from p would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import inverse_cdf, uniforms
+
+PLACEHOLDER = -1  # fills output positions past the recovered / bonus token
+RESIDUAL_EPS = 1e-7  # below this residual mass p ≈ q: sample the recovered token from p instead
+
+
+@dataclass
+class AcceptanceResult:
+    output_ids: torch.Tensor  # [B, γ + 1] accepted drafts, then the recovered or bonus token, then PLACEHOLDER
+    num_accepted: torch.Tensor  # [B] accepted drafts per row (0..γ)
+
+    def tokens(self, row: int) -> list[int]:
+        return self.output_ids[row, : int(self.num_accepted[row]) + 1].tolist()
+
+
+def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
+    """accept [B, γ] bool -> [B] length of the all-True prefix."""
+    return accept.long().cumprod(-1).sum(-1)
+
+
+def _capped(num_accepted: torch.Tensor, max_accepted: torch.Tensor | None) -> torch.Tensor:
+    """Rows drafting fewer than γ (padded batches) accept at most their own count."""
+    return num_accepted if max_accepted is None else torch.minimum(num_accepted, max_accepted)
+
+
+def greedy_accept(
+    draft_ids: torch.Tensor, target_ids: torch.Tensor, max_accepted: torch.Tensor | None = None
+) -> AcceptanceResult:
+    """Temperature 0. draft_ids [B, γ]; target_ids [B, γ + 1], the target argmax at each position;
+    max_accepted [B] (optional) the drafts each row really has. Accepted drafts equal the target
+    argmax, so the output is the target argmax up to and including the first mismatch (the recovered
+    token) or the bonus position."""
+    gamma = draft_ids.shape[1]
+    num_accepted = _capped(_first_rejection(draft_ids == target_ids[:, :gamma]), max_accepted)  # [B]
+    keep = torch.arange(gamma + 1)[None, :] <= num_accepted[:, None]  # [B, γ + 1]
+    return AcceptanceResult(torch.where(keep, target_ids, PLACEHOLDER), num_accepted)
+
+
+def rejection_sample(
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generators: torch.Generator | Sequence[torch.Generator | None] | None,
+    max_accepted: torch.Tensor | None = None,
+) -> AcceptanceResult:
+    """draft_ids [B, γ]; draft_probs [B, γ, vocab] (q); target_probs [B, γ + 1, vocab] (p), float32.
+    `generators`: one per row (each request keeps its own randomness) or one for the whole batch.
+    `max_accepted` [B] (optional): a row with fewer real drafts is padded with q = 0 and capped, so
+    that at its cap the residual max(0, p - 0) is p itself: the bonus distribution."""
+    batch, gamma = draft_ids.shape
+    u = uniforms(batch, gamma + 1, generators)  # [B, γ + 1]: γ acceptance tests, then one sampling draw
+    if gamma == 0:  # plain rows only: sample from p
+        return AcceptanceResult(inverse_cdf(target_probs[:, 0], u[:, 0])[:, None], torch.zeros(batch, dtype=torch.long))
+    p = target_probs[:, :gamma].gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ] p_i(d_i)
+    q = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ] q_i(d_i) > 0: d_i was drawn from q_i
+    num_accepted = _capped(_first_rejection(u[:, :gamma] * q < p), max_accepted)  # u < p / q, undivided
+    rows = torch.arange(batch)
+    p_k = target_probs[rows, num_accepted]  # [B, vocab] target at the first rejection (or the bonus position)
+    q_k = draft_probs[rows, num_accepted.clamp(max=gamma - 1)]  # [B, vocab]
+    residual = (p_k - q_k).clamp_min(0)  # [B, vocab]
+    mass = residual.sum(-1, keepdim=True)  # [B, 1]
+    recover = (num_accepted < gamma)[:, None] & (mass > RESIDUAL_EPS)  # [B, 1]; else sample from p itself
+    final = inverse_cdf(torch.where(recover, residual, p_k), u[:, gamma])  # [B] recovered or bonus token
+    positions = torch.arange(gamma + 1)[None, :]  # [1, γ + 1]
+    out = torch.where(positions < num_accepted[:, None], F.pad(draft_ids, (0, 1)), PLACEHOLDER)  # [B, γ + 1]
+    out[rows, num_accepted] = final
+    return AcceptanceResult(out, num_accepted)

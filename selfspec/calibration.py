@@ -1,0 +1,382 @@
+"""Offline calibration: measure what speculation would gain per draft depth N, γ and request bucket.
+
+Acceptance is measured teacher-forced, which is exact here: a draft at depth N reads the same
+layer-(<N) cache entries as the full model, so the draft's distribution at each position of a
+continuation is the early exit's distribution on that same prefix. One full forward per continuation
+gives the acceptance of every N at once: greedy agreement (argmax equal) at T = 0, and the
+acceptance probability β = Σ min(p, q) at T > 0. Costs (c per N, v per N and γ) are timed on this
+machine. The predicted speedup of (N, γ) is E(N, γ) / (γ·c(N) + v(N, γ))."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import PagedKVCache
+from .errors import SelfspecError
+from .model import DecoderModel
+from .profile import length_bucket
+from .speedup import expected_accepted_from_positions
+
+
+@dataclass
+class AcceptanceRecord:
+    """Teacher-forced acceptance of one continuation, for every calibrated draft depth."""
+
+    question_id: str
+    category: str
+    prompt_tokens: int
+    temperature: float
+    accept: dict[str, list[float]]  # N -> per position: 1/0 agreement (T = 0) or β = Σ min(p, q) (T > 0)
+    top_prob: dict[str, list[float]] = field(default_factory=dict)  # N -> the draft's top probability
+
+    @property
+    def length_bucket(self) -> str:
+        return length_bucket(self.prompt_tokens)
+
+
+@torch.inference_mode()
+def teacher_forced_acceptance(
+    model: DecoderModel,
+    cache: PagedKVCache,
+    prompt: list[int],
+    continuation: list[int],
+    draft_layers: list[int],
+    temperature: float,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """-> (acceptance per position, draft top probability per position), each keyed by N."""
+    seq = cache.allocate()
+    tokens = prompt + continuation
+    try:
+        batch = cache.prepare([seq], [len(tokens) - 1])
+        h = model.embed(torch.tensor([tokens[:-1]]))
+        exits, done = {}, 0
+        for n in sorted(draft_layers):
+            h = model.run_layers(h, done, n, batch, cache)
+            exits[n], done = h[0, len(prompt) - 1 :], n  # positions predicting the continuation
+        h = model.run_layers(h, done, model.num_layers, batch, cache)
+        target = model.logits(h[0, len(prompt) - 1 :])  # [n, vocab]
+    finally:
+        cache.free(seq)
+    accept, top = {}, {}
+    t = temperature if temperature > 0 else 1.0
+    p = torch.softmax(target / t, -1)
+    for n, hn in exits.items():
+        draft = model.logits(hn)  # [n, vocab]
+        q = torch.softmax(draft / t, -1)
+        if temperature == 0:
+            a = (draft.argmax(-1) == target.argmax(-1)).float()
+        else:
+            a = torch.minimum(p, q).sum(-1)
+        accept[str(n)] = a.tolist()
+        top[str(n)] = q.max(-1).values.tolist()
+    return accept, top
+
+
+def tokens_per_round(accept: list[float], gamma: int) -> float:
+    """Expected tokens a round emits, averaged over every start position of the continuation:
+    1 + Σ_i Π_{j<i} β_{s+j} (the last round near the end only sees the positions left)."""
+    if not accept:
+        return 1.0
+    return statistics.fmean(1 + expected_accepted_from_positions(accept[s : s + gamma]) for s in range(len(accept)))
+
+
+@torch.inference_mode()
+def time_costs(
+    model: DecoderModel, cache: PagedKVCache, context: list[int], draft_layers: list[int], gammas: list[int], repeats: int = 7
+) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
+    """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
+    + head + argmax); a verification per (N, γ) (the last draft's pass through [0, N), then layers
+    [N, L) over γ + 1 tokens, head and argmax). -> (full step seconds, c per N, v per N per γ)."""
+    seq = cache.allocate()
+    try:
+        batch = cache.prepare([seq], [len(context)])
+        model.run_layers(model.embed(torch.tensor([context])), 0, model.num_layers, batch, cache)
+        base = seq.length
+
+        def timed(fn) -> float:
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+                cache.truncate(seq, base)
+            return statistics.median(samples)
+
+        def forward(tokens: int, start: int, end: int, head: bool) -> torch.Tensor:
+            b = cache.prepare([seq], [tokens])
+            h = model.run_layers(model.embed(torch.full((1, tokens), 17)), start, end, b, cache)
+            return model.logits(h).argmax(-1) if head else h
+
+        def verify(n: int, gamma: int) -> None:
+            hidden = forward(1, 0, n, head=False)  # noqa: F841 - the last draft token's pass
+            b = cache.prepare([seq], [gamma + 1], [base])
+            h = model.run_layers(torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype), n, model.num_layers, b, cache)
+            model.logits(h).argmax(-1)
+
+        full = timed(lambda: forward(1, 0, model.num_layers, head=True))
+        c = {str(n): timed(lambda: forward(1, 0, n, head=True)) / full for n in draft_layers}
+        v = {str(n): {str(g): timed(lambda: verify(n, g)) / full for g in gammas} for n in draft_layers}
+        return full, c, v
+    finally:
+        cache.free(seq)
+
+
+# ---- from records to a profile -------------------------------------------------------------------------
+
+
+@dataclass
+class BucketEstimate:
+    category: str
+    length_bucket: str
+    temperature: float
+    positions: int
+    alpha: dict[str, float]  # N -> mean acceptance per drafted token
+    tokens_per_round: dict[str, dict[str, float]]  # N -> γ -> expected tokens per round
+    speedup: dict[str, dict[str, float]]  # N -> γ -> predicted speedup
+
+    def best(self) -> tuple[int, int, float]:
+        n, g = max(((n, g) for n in self.speedup for g in self.speedup[n]), key=lambda k: self.speedup[k[0]][k[1]])
+        return int(n), int(g), self.speedup[n][g]
+
+
+def estimate_buckets(
+    records: list[AcceptanceRecord], c: dict[str, float], v: dict[str, dict[str, float]]
+) -> list[BucketEstimate]:
+    """Groups records by (category, length bucket, temperature), plus 'all' rows across categories
+    and lengths, and predicts every (N, γ) per group."""
+    groups: dict[tuple, list[AcceptanceRecord]] = {}
+    for r in records:
+        for cat in (r.category, "all"):
+            for lb in (r.length_bucket, "all"):
+                groups.setdefault((cat, lb, r.temperature), []).append(r)
+    out = []
+    for (cat, lb, t), recs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        weights = [len(next(iter(r.accept.values()))) for r in recs]
+        total = sum(weights)
+        alpha, tpr, speed = {}, {}, {}
+        for n in c:
+            alpha[n] = sum(sum(r.accept[n]) for r in recs) / total if total else 0.0
+            tpr[n], speed[n] = {}, {}
+            for g in v[n]:
+                e = sum(w * tokens_per_round(r.accept[n], int(g)) for r, w in zip(recs, weights)) / total if total else 1.0
+                tpr[n][g] = e
+                speed[n][g] = e / (int(g) * c[n] + v[n][g])
+        out.append(BucketEstimate(cat, lb, t, total, alpha, tpr, speed))
+    return out
+
+
+def confidence_threshold(records: list[AcceptanceRecord], n: str, c: float) -> float:
+    """Adaptive draft stop: the top-probability cutoff τ that maximizes Σ over kept drafts of
+    (acceptance - c), i.e. keeps drafting only while a draft is expected to earn its cost."""
+    pairs = sorted((tp, a) for r in records for tp, a in zip(r.top_prob.get(n, []), r.accept.get(n, [])))
+    if not pairs:
+        return 0.0
+    best_gain, best_tau, gain = sum(a - c for _, a in pairs), 0.0, sum(a - c for _, a in pairs)
+    for tp, a in pairs:  # raising τ past tp drops this draft
+        gain -= a - c
+        if gain > best_gain:
+            best_gain, best_tau = gain, math.nextafter(tp, 1.0)  # stop below τ: this draft and lower go
+    return best_tau
+
+
+# ---- the whole run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class CalibrationPlan:
+    draft_layers: list[int]
+    gammas: list[int]
+    temperatures: list[float]
+    new_tokens: int = 64
+    batch_size: int = 16  # prompts generated together
+    validate_prompts: int = 2  # prompts timed end to end per validated configuration
+    seed: int = 0
+
+
+def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path=None, progress=None):
+    """-> (Profile, records, bucket estimates). `questions` are Spec-Bench style dicts (question_id,
+    category, turns). Records already in `partial_path` (JSON lines) are reused, new ones appended,
+    so an interrupted run resumes where it stopped."""
+    import json
+    from pathlib import Path
+
+    from .profile import BucketChoice, Profile
+
+    model = engine.model
+    limit = min(model.config.max_position_embeddings, engine.max_model_len)
+    encoded = {str(q["question_id"]): engine.encode(q["turns"][0]) for q in questions}
+    skipped = [q for q in questions if len(encoded[str(q["question_id"])]) + plan.new_tokens + 1 > limit]
+    questions = [q for q in questions if q not in skipped]
+    if not questions:
+        raise SelfspecError(f"every prompt is longer than the model's context ({limit} tokens) allows")
+    longest = max(len(encoded[str(q["question_id"])]) for q in questions)
+    # A cache of its own, sized for one batch of continuations (the engine's serves validation runs).
+    cache = model.new_cache(plan.batch_size * (longest + plan.new_tokens + 2))
+    done = _load_partial(partial_path)
+    costs = done.pop("__costs__", None)
+    if costs is None:
+        context = encoded[str(questions[0]["question_id"])]
+        full, c, v = time_costs(model, cache, context, plan.draft_layers, plan.gammas)
+        costs = {"full_step_seconds": full, "c": c, "v": v}
+        _append_partial(partial_path, {"__costs__": costs})
+    c, v = costs["c"], costs["v"]
+    records = []
+    todo = [(q, t) for t in plan.temperatures for q in questions]
+    bar = progress(total=len(todo), desc="calibrating") if progress else None
+    for t in plan.temperatures:
+        pending = [q for q in questions if _key(q, t) not in done]
+        records += [AcceptanceRecord(**done[_key(q, t)]) for q in questions if _key(q, t) in done]
+        if bar:
+            bar.update(len(questions) - len(pending))
+        for first in range(0, len(pending), plan.batch_size):
+            chunk = pending[first : first + plan.batch_size]
+            prompts = [encoded[str(q["question_id"])] for q in chunk]
+            conts = _continuations(engine, cache, prompts, t, plan)
+            for q, prompt, cont in zip(chunk, prompts, conts):
+                accept, top = teacher_forced_acceptance(model, cache, prompt, cont, plan.draft_layers, t)
+                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top)
+                records.append(rec)
+                _append_partial(partial_path, {_key(q, t): rec.__dict__})
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    estimates = estimate_buckets(records, c, v)
+    validation = _validate(engine, questions, estimates, plan)
+    profile = _profile(engine, plan, costs, records, estimates, validation)
+    profile.skipped_prompts = [str(q["question_id"]) for q in skipped]
+    return profile, records, estimates
+
+
+def _key(q: dict, t: float) -> str:
+    return f"{q['question_id']}@{t:g}"
+
+
+def _load_partial(path) -> dict:
+    import json
+    from pathlib import Path
+
+    out = {}
+    if path and Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                out.update(json.loads(line))
+    return out
+
+
+def _append_partial(path, item: dict) -> None:
+    import json
+
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(item) + "\n")
+
+
+def _continuations(engine, cache, prompts: list[list[int]], temperature: float, plan: CalibrationPlan) -> list[list[int]]:
+    """The model's own responses (sampled at the bucket's temperature, cut after EOS)."""
+    from .batch import generate_batch, prefill
+    from .sampling import SamplingParams, make_generator
+
+    model = engine.model
+    seqs = [cache.allocate() for _ in prompts]
+    try:
+        for seq, p in zip(seqs, prompts):
+            prefill(model, cache, seq, p[:-1])
+        params = SamplingParams(temperature=temperature)
+        gens = [make_generator(plan.seed + i) for i in range(len(prompts))]
+        outs = generate_batch(model, cache, seqs, [p[-1] for p in prompts], params, None, gens, plan.new_tokens)
+    finally:
+        for seq in seqs:
+            cache.free(seq)
+    cut = []
+    for o in outs:
+        end = next((i for i, t in enumerate(o) if t in engine.eos_token_ids), len(o) - 1)
+        cut.append(o[: end + 1])
+    return cut
+
+
+def _validate(engine, questions, estimates: list[BucketEstimate], plan: CalibrationPlan) -> list[dict]:
+    """End-to-end speculative vs plain runs (interleaved) for every bucket the prediction switches on,
+    and, at T = 0, for each γ at the best depth (the measured side of the speedup-vs-γ plot)."""
+    from .sampling import SamplingParams
+    from .speculative import SpecConfig
+
+    overall = next(e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures)))
+    best_n, _, _ = overall.best()
+    jobs = [(overall, best_n, g) for g in plan.gammas]
+    jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0 and e.length_bucket == "all"]
+    out = []
+    for est, n, g in jobs:
+        chosen = [q for q in questions if est.category in ("all", q["category"])][: plan.validate_prompts]
+        params = SamplingParams(temperature=est.temperature, max_tokens=plan.new_tokens * 2, ignore_eos=True, seed=plan.seed)
+        ratios = []
+        for i, q in enumerate(chosen):
+            ids = engine.encode(q["turns"][0])
+            runs = [None, SpecConfig(n, g)]
+            times = {}
+            for spec in runs if i % 2 == 0 else runs[::-1]:
+                start = time.perf_counter()
+                engine.generate(ids, params, spec=spec if spec else None)
+                times[spec is not None] = time.perf_counter() - start
+            ratios.append(times[False] / times[True])
+        out.append(
+            {
+                "category": est.category,
+                "length_bucket": est.length_bucket,
+                "temperature": est.temperature,
+                "draft_layers": n,
+                "gamma": g,
+                "predicted_speedup": est.speedup[str(n)][str(g)],
+                "measured_speedup": statistics.median(ratios),
+                "prompts": len(chosen),
+            }
+        )
+    return out
+
+
+def _profile(engine, plan, costs, records, estimates, validation):
+    from .profile import BucketChoice, Profile
+
+    measured = {(v["category"], v["length_bucket"], v["temperature"], v["draft_layers"], v["gamma"]): v["measured_speedup"] for v in validation}
+    buckets = []
+    for e in estimates:
+        n, g, s = e.best()
+        buckets.append(
+            BucketChoice(
+                e.category, e.length_bucket, e.temperature, e.positions, e.alpha, n, g, s,
+                measured.get((e.category, e.length_bucket, e.temperature, n, g)),
+            )
+        )
+    overall = {b.temperature: b for b in buckets if b.category == "all" and b.length_bucket == "all"}
+    t0 = overall[min(plan.temperatures)]
+    paying = [t for t, b in sorted(overall.items()) if (b.measured_speedup or b.predicted_speedup) >= 1.0]
+    knee = t0.draft_layers
+    tau = confidence_threshold([r for r in records if r.temperature == min(plan.temperatures)], str(knee), costs["c"][str(knee)])
+    return Profile(
+        model=engine.name,
+        fingerprint=engine.model.fingerprint,
+        num_layers=engine.model.num_layers,
+        dtype=str(engine.model.dtype).replace("torch.", ""),
+        machine=_machine(),
+        temperatures=list(plan.temperatures),
+        draft_layers=list(plan.draft_layers),
+        draft_cost=costs["c"],
+        verify_cost=costs["v"],
+        buckets=buckets,
+        knee=knee,
+        temperature_threshold=max(paying) if paying else 0.0,
+        confidence_threshold=tau if paying else 0.0,
+        validation=validation,
+    )
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    return {"platform": platform.platform(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -1,0 +1,219 @@
+"""`selfspec bench`: a Spec-Bench-style table against peers, per category, measured in one run.
+
+Methods: `plain` (selfspec, no speculation: the baseline), `selfspec` (the default configuration: the
+profile's policy decides), `selfspec:N:G` (speculation forced at depth N, γ = G), `hf` (transformers
+generate), `hf-early-exit` (transformers `assistant_early_exit`, drafting with the same model's first
+layers), `hf-prompt-lookup` (transformers `prompt_lookup_num_tokens`). All greedy; every method runs on
+each prompt before the next prompt, in an order that rotates. Speedup = plain time / method time.
+Mean accepted tokens = tokens per full-model forward (1 for plain decoding)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from .calibrate import load_questions
+from .common import ArgumentParser, add_model_args, positive_int, run
+
+PROG = "selfspec bench"
+HF_METHODS = ("hf", "hf-early-exit", "hf-prompt-lookup")
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Speedup over plain decoding per category, against transformers peers.")
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="JSONL with question_id, category, turns (Spec-Bench format)")
+    p.add_argument("--compare", default="plain,selfspec,hf,hf-early-exit,hf-prompt-lookup")
+    p.add_argument("--per-category", type=positive_int, default=1)
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--early-exit-layers", type=positive_int, default=None, help="hf-early-exit depth (default: L/2)")
+    p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
+    p.add_argument("--profile", help="calibration profile for the `selfspec` method")
+    p.add_argument("--out", default="benchmarks/results/bench", help="path prefix for .json, .md and .png")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def parse_methods(text: str, num_layers: int | None = None) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    for m in methods:
+        if m in ("plain", "selfspec") or m in HF_METHODS:
+            continue
+        parts = m.split(":")
+        if parts[0] != "selfspec" or len(parts) != 3 or not all(x.isdigit() for x in parts[1:]):
+            raise ValueError(
+                f"--compare: unknown method {m!r}; use plain, selfspec, selfspec:N:G, {', '.join(HF_METHODS)}"
+            )
+    if "plain" not in methods:
+        methods.insert(0, "plain")  # the baseline every speedup is taken against
+    return methods
+
+
+class Runner:
+    """Runs one method on one prompt: -> (token ids, seconds, full-model forwards)."""
+
+    def __init__(self, engine, args) -> None:
+        self.engine = engine
+        self.args = args
+        self._hf = None
+        self._forwards = 0
+
+    def hf_model(self):
+        if self._hf is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self._hf = AutoModelForCausalLM.from_pretrained(str(self.engine.checkpoint_dir), dtype=self.engine.model.dtype).eval()
+            self._hf.generation_config.eos_token_id = None  # every method generates exactly max_tokens
+            self._hf.generation_config.pad_token_id = 0
+            last = self._hf.model.layers[-1]  # only full-model forwards reach the last layer
+            last.register_forward_hook(lambda *a: setattr(self, "_forwards", self._forwards + 1))
+        return self._hf
+
+    def __call__(self, method: str, ids: list[int]):
+        from selfspec import SamplingParams, SpecConfig
+
+        params = SamplingParams(temperature=0, max_tokens=self.args.max_tokens, ignore_eos=True)
+        if method in HF_METHODS:
+            return self._hf_run(method, ids)
+        spec = None if method == "plain" else "auto" if method == "selfspec" else SpecConfig(*map(int, method.split(":")[1:]))
+        start = time.perf_counter()
+        r = self.engine.generate(ids, params, spec=spec)
+        seconds = time.perf_counter() - start
+        rounds = r.stats.steps  # plain steps and speculative rounds each run the full model once
+        return r.token_ids, seconds, rounds, r.stats.spec_policy
+
+    def _hf_run(self, method: str, ids: list[int]):
+        import torch
+
+        model = self.hf_model()
+        kwargs = {}
+        if method == "hf-early-exit":
+            kwargs["assistant_early_exit"] = self.args.early_exit_layers or self.engine.model.num_layers // 2
+        elif method == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = self.args.prompt_lookup_tokens
+        self._forwards = 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=self.args.max_tokens, do_sample=False, **kwargs)
+        seconds = time.perf_counter() - start
+        return out[0, len(ids) :].tolist(), seconds, max(self._forwards, 1), ""
+
+
+def _body(args) -> int:
+    from selfspec import Engine
+
+    methods = parse_methods(args.compare)
+    questions = load_questions(args.data, args.per_category)
+    engine = Engine.from_pretrained(
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile
+    )
+    runner = Runner(engine, args)
+    runner("plain", engine.encode("Hello"))  # warm-up
+    encoded = [(q, engine.encode(q["turns"][0])) for q in questions]
+    fits = [(q, ids) for q, ids in encoded if len(ids) + args.max_tokens <= engine.max_model_len]
+    args.skipped = [q["question_id"] for q, ids in encoded if (q, ids) not in fits]
+    if not fits:
+        raise ValueError(f"no prompt fits the model's {engine.max_model_len}-token context with --max-tokens {args.max_tokens}")
+    rows = []
+    for i, (q, ids) in enumerate(fits):
+        order = methods[i % len(methods) :] + methods[: i % len(methods)]
+        results = {m: runner(m, ids) for m in order}
+        plain_ids, plain_s, _, _ = results["plain"]
+        for m in methods:
+            tokens, seconds, forwards, policy = results[m]
+            rows.append(
+                {
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "method": m,
+                    "seconds": seconds,
+                    "tokens_per_second": len(tokens) / seconds,
+                    "speedup": plain_s / seconds,
+                    "mean_accepted_tokens": len(tokens) / forwards,
+                    "identical_to_plain": tokens == plain_ids,
+                    "spec_policy": policy,
+                }
+            )
+        print(f"{q['category']:15s} " + "  ".join(f"{m} {plain_s / results[m][1]:.2f}x" for m in methods), flush=True)
+    summary = _summarize(rows, methods)
+    _write(Path(args.out), args, engine, methods, rows, summary)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _summarize(rows: list[dict], methods: list[str]) -> list[dict]:
+    out = []
+    for category in sorted({r["category"] for r in rows}) + ["all"]:
+        for m in methods:
+            sel = [r for r in rows if r["method"] == m and category in ("all", r["category"])]
+            out.append(
+                {
+                    "category": category,
+                    "method": m,
+                    "speedup": statistics.median(r["speedup"] for r in sel),
+                    "mean_accepted_tokens": statistics.fmean(r["mean_accepted_tokens"] for r in sel),
+                    "identical": sum(r["identical_to_plain"] for r in sel),
+                    "prompts": len(sel),
+                }
+            )
+    return out
+
+
+def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
+    import torch
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens,
+        "methods": methods,
+        "spec_policy_examples": sorted({r["spec_policy"] for r in rows if r["method"] == "selfspec"}),
+        "skipped_prompts_too_long": args.skipped,
+    }
+    prefix.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    cats = sorted({s["category"] for s in summary if s["category"] != "all"}) + ["all"]
+    get = {(s["category"], s["method"]): s for s in summary}
+    lines = [
+        f"# selfspec bench: speedup over plain decoding ({args.model}, {args.dtype}, greedy, {args.max_tokens} tokens)",
+        "",
+        "Cells: median speedup over selfspec plain decoding (measured interleaved in one run) / mean tokens per "
+        "full-model forward / prompts whose output is identical to plain decoding.",
+        "",
+        "| category | " + " | ".join(methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
+    for c in cats:
+        cells = [f"{get[c, m]['speedup']:.2f}x / {get[c, m]['mean_accepted_tokens']:.2f} / {get[c, m]['identical']}/{get[c, m]['prompts']}" for m in methods]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if meta["spec_policy_examples"]:
+        lines += ["", "The `selfspec` default configuration's policy decisions:", ""]
+        lines += [f"- {p}" for p in meta["spec_policy_examples"]]
+    prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(prefix.with_suffix(".png"), cats, methods, get)
+
+
+def _plot(path: Path, cats, methods, get) -> None:
+    from selfspec.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.9), 4.5))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        ax.bar([i + j * width for i in range(len(cats))], [get[c, m]["speedup"] for c in cats], width, label=m)
+    ax.axhline(1.0, color="gray", linestyle="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup over plain")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(PROG, build_parser(), argv, _body)

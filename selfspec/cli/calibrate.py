@@ -1,0 +1,122 @@
+"""`selfspec calibrate`: measure acceptance, costs and speedup per draft depth, γ and bucket; write
+the profile the runtime policy loads, and plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .common import ArgumentParser, add_model_args, positive_int, run
+
+PROG = "selfspec calibrate"
+
+
+def int_range(text: str) -> list[int]:
+    """'4:28:2' (start:stop:step, stop included), '1-8', or '8,15,24'."""
+    try:
+        if ":" in text:
+            a, b, *step = (int(x) for x in text.split(":"))
+            return list(range(a, b + 1, step[0] if step else 1))
+        if "-" in text:
+            a, b = (int(x) for x in text.split("-"))
+            return list(range(a, b + 1))
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a list of integers: use 4:28:2, 1-8 or 8,15,24") from None
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a list of numbers: use e.g. 0,0.3,0.6,0.9") from None
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Calibrate self-speculation for a model on representative prompts.")
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="JSONL with question_id, category, turns (Spec-Bench format)")
+    p.add_argument("--draft-layers", default="4:28:2", help="depths N to try (default 4:28:2)")
+    p.add_argument("--gammas", default="1-8", help="draft lengths to try (default 1-8)")
+    p.add_argument("--temperatures", default="0,0.3,0.6,0.9")
+    p.add_argument("--per-category", type=positive_int, default=3, help="prompts per category (default 3)")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="continuation length per prompt (default 64)")
+    p.add_argument("--out", required=True, help="profile JSON to write; <out>.partial.jsonl keeps progress")
+    p.add_argument("--plot", help="directory for PNG plots")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the profile summary as JSON")
+    return p
+
+
+def load_questions(path: str, per_category: int) -> list[dict]:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    out, seen = [], {}
+    for i, line in enumerate(file.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            q["turns"][0], q["category"], q["question_id"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise ValueError(f"--data {path}, line {i + 1}: expected JSON with question_id, category and turns") from None
+        if seen.get(q["category"], 0) < per_category:
+            seen[q["category"]] = seen.get(q["category"], 0) + 1
+            out.append(q)
+    if not out:
+        raise ValueError(f"--data {path} holds no questions")
+    return out
+
+
+def _body(args) -> int:
+    from tqdm import tqdm
+
+    from selfspec import Engine
+    from selfspec.calibration import CalibrationPlan, calibrate
+
+    depths, gammas, temps = int_range(args.draft_layers), int_range(args.gammas), float_list(args.temperatures)
+    if min(gammas) < 1 or max(gammas) > 32:
+        raise ValueError(f"--gammas {args.gammas}: use values in 1..32")
+    if min(temps) < 0:
+        raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
+    questions = load_questions(args.data, args.per_category)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
+    layers = engine.model.num_layers
+    if min(depths) < 1 or max(depths) >= layers:
+        raise ValueError(f"--draft-layers {args.draft_layers}: this model has {layers} layers, use depths in 1..{layers - 1}")
+    plan = CalibrationPlan(depths, gammas, temps, new_tokens=args.new_tokens, seed=args.seed)
+    profile, _, estimates = calibrate(engine, questions, plan, partial_path=f"{args.out}.partial.jsonl", progress=tqdm)
+    profile.save(args.out)
+    plots = []
+    if args.plot:
+        from selfspec.plots import write_calibration_plots
+
+        plots = [str(p) for p in write_calibration_plots(profile, estimates, args.plot)]
+    summary = {
+        "profile": args.out,
+        "plots": plots,
+        "knee": profile.knee,
+        "temperature_threshold": profile.temperature_threshold,
+        "buckets_on": sum(1 for b in profile.buckets if (b.measured_speedup or b.predicted_speedup) >= 1.0),
+        "buckets": len(profile.buckets),
+        "validation": profile.validation,
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"profile written to {args.out} ({len(profile.buckets)} buckets, {summary['buckets_on']} with speculation on)")
+    print(f"best draft depth N={profile.knee}; speculation off above T={profile.temperature_threshold:g}")
+    for v in profile.validation:
+        print(
+            f"  {v['category']}/T={v['temperature']:g} N={v['draft_layers']} gamma={v['gamma']}: "
+            f"predicted {v['predicted_speedup']:.2f}x, measured {v['measured_speedup']:.2f}x"
+        )
+    for p in plots:
+        print(f"plot: {p}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(PROG, build_parser(), argv, _body)

@@ -1,0 +1,64 @@
+"""`selfspec check-distribution`: is speculative sampling lossless on this model and these settings?
+Samples continuations with and without speculation and compares them statistically."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import ArgumentParser, add_model_args, positive_int, run
+
+PROG = "selfspec check-distribution"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog=PROG,
+        description="Sample S continuations with and without speculation; compare their log-likelihoods "
+        "(two-sample Kolmogorov-Smirnov) and first tokens (chi-square). Exit code 0 when consistent with "
+        "lossless at the 1%% level, 1 when not.",
+    )
+    add_model_args(p)
+    p.add_argument("--prompt", default="Tell me a short story.", help="prompt text (chat-templated unless --raw)")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--draft-layers", type=positive_int, required=True, metavar="N")
+    p.add_argument("--gamma", type=positive_int, default=4, metavar="K")
+    p.add_argument("--samples", type=positive_int, default=500, help="continuations per arm (default 500)")
+    p.add_argument("--new-tokens", type=positive_int, default=8, help="tokens per continuation (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _body(args) -> int:
+    from selfspec import Engine, SamplingParams, SpecConfig
+    from selfspec.distribution import SIGNIFICANCE, compare
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if params.greedy:
+        raise ValueError("--temperature 0 is greedy: there is no distribution to compare (use > 0)")
+    spec = SpecConfig(args.draft_layers, args.gamma)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
+    spec.check(engine.model.num_layers)
+    prompt = engine.encode(args.prompt, chat=not args.raw)
+    report = compare(engine.model, prompt, params, spec, args.samples, args.new_tokens, args.seed)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        verdict = "consistent with lossless" if report.lossless else "NOT consistent with lossless"
+        print(
+            f"{report.samples} samples x {report.new_tokens} tokens per arm, N={spec.draft_layers}, gamma={spec.num_speculative_tokens}, "
+            f"T={params.temperature}, top_p={params.top_p}, top_k={params.top_k}\n"
+            f"log-likelihood: mean {report.mean_loglik_plain:.3f} plain vs {report.mean_loglik_speculative:.3f} speculative; "
+            f"KS statistic {report.statistic:.4f}, p-value {report.pvalue:.4f}\n"
+            f"first token: chi-square p-value {report.first_token_pvalue:.4f}\n"
+            f"verdict at the {SIGNIFICANCE:.0%} level: {verdict}"
+        )
+    return 0 if report.lossless else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(PROG, build_parser(), argv, _body)

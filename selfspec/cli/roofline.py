@@ -1,0 +1,46 @@
+"""`selfspec roofline`: memory bandwidth, the decode step's lower bound, the measured step, and the
+cost of verifying k tokens at once."""
+
+from __future__ import annotations
+
+import json
+
+from .common import ArgumentParser, add_model_args, positive_int, run
+
+PROG = "selfspec roofline"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Are we memory-bound? Step lower bound = weight bytes / read bandwidth.")
+    add_model_args(p)
+    p.add_argument("--context", type=positive_int, default=128, help="tokens already in the cache (default 128)")
+    p.add_argument("--max-k", type=positive_int, default=16, help="largest k of the k-token forward curve")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _body(args) -> int:
+    from selfspec.loader import load
+    from selfspec.roofline import measure
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    r = measure(load(args.model, args.dtype).model, context=args.context, max_k=args.max_k)
+    if args.json:
+        print(json.dumps(r.to_dict()))
+        return 0
+    print(f"read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s")
+    print(f"weights read per step   {r.weight_bytes / 1e6:8.1f} MB ({args.dtype})")
+    print(f"step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)")
+    print(f"measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)")
+    verdict = "at the memory wall" if r.step_over_bound <= 1.5 else "above the wall: overhead or compute, not bandwidth"
+    print(f"measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}")
+    print("\nforward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):")
+    print("  " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(PROG, build_parser(), argv, _body)

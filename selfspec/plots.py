@@ -1,0 +1,73 @@
+"""Calibration plots, readable at a glance: acceptance vs draft depth (knee marked), speedup vs γ
+(measured beside predicted), and per-bucket acceptance as a heatmap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Path]:
+    plt = _pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    overall = {e.temperature: e for e in estimates if e.category == "all" and e.length_bucket == "all"}
+    depths = sorted(int(n) for n in profile.draft_cost)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for t, e in sorted(overall.items()):
+        ax.plot(depths, [e.alpha[str(n)] for n in depths], marker="o", label=f"T={t:g}")
+    ax.axvline(profile.knee, color="gray", linestyle="--", label=f"best depth N={profile.knee}")
+    ax.set(xlabel="draft depth N (layers)", ylabel="acceptance per drafted token", title=f"{profile.model}: acceptance vs N", ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "acceptance_vs_depth.png"))
+
+    t0 = min(overall)
+    e = overall[t0]
+    n = str(profile.knee)
+    gammas = sorted(int(g) for g in e.speedup[n])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(gammas, [e.speedup[n][str(g)] for g in gammas], marker="o", label="predicted E/(γc+v)")
+    measured = [v for v in profile.validation if v["draft_layers"] == profile.knee and v["category"] == "all" and v["temperature"] == t0]
+    if measured:
+        ax.plot([v["gamma"] for v in measured], [v["measured_speedup"] for v in measured], marker="s", linestyle="none", label="measured end to end")
+    ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
+    ax.set(xlabel="γ (draft tokens per round)", ylabel="speedup over plain", title=f"speedup vs γ at N={n}, T={t0:g}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "speedup_vs_gamma.png"))
+
+    cats = sorted({x.category for x in estimates if x.category != "all"}) + ["all"]
+    temps = sorted(overall)
+    grid = {(x.category, x.temperature): x.alpha[n] for x in estimates if x.length_bucket == "all"}
+    fig, ax = plt.subplots(figsize=(1.2 * len(temps) + 3, 0.4 * len(cats) + 1.5))
+    data = [[grid.get((c, t), float("nan")) for t in temps] for c in cats]
+    im = ax.imshow(data, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for i, row in enumerate(data):
+        for j, val in enumerate(row):
+            ax.text(j, i, f"{val:.2f}", ha="center", va="center", color="white" if val < 0.6 else "black", fontsize=8)
+    ax.set_xticks(range(len(temps)), [f"T={t:g}" for t in temps])
+    ax.set_yticks(range(len(cats)), cats)
+    ax.set_title(f"acceptance per bucket at N={n}")
+    fig.colorbar(im, ax=ax)
+    paths.append(_save(fig, out / "acceptance_heatmap.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

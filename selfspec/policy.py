@@ -1,0 +1,98 @@
+"""Runtime speculation policy: per request, speculate with which N and γ, or not at all, and why.
+Decisions come from a calibration profile when one is loaded; every decision carries a reason that
+the request's stats report as `spec_policy`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import Profile
+from .speculative import SpecConfig
+
+DEFAULT_TEMPERATURE_THRESHOLD = 0.7  # brief §5: above ~0.7 acceptance usually falls below break-even
+
+
+@dataclass(frozen=True)
+class SpecOverride:
+    """A request's own say: force speculation on or off, and/or pick N and γ."""
+
+    enabled: bool | None = None
+    draft_layers: int | None = None
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.enabled is not None and not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled={self.enabled!r} is invalid: use true, false or leave it unset")
+        if self.draft_layers is not None or self.num_speculative_tokens is not None:
+            SpecConfig(self.draft_layers or 1, self.num_speculative_tokens or 1)  # validates the values
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    spec: SpecConfig | None  # None: plain decoding
+    reason: str
+    confidence_threshold: float = 0.0  # adaptive draft stop (0 = draft all γ tokens)
+
+
+class SpecPolicy:
+    def __init__(
+        self,
+        profile: Profile | None = None,
+        *,
+        temperature_threshold: float | None = None,
+        min_max_tokens: int | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        self.profile = profile
+        p = profile
+        self.temperature_threshold = temperature_threshold if temperature_threshold is not None else (
+            p.temperature_threshold if p else DEFAULT_TEMPERATURE_THRESHOLD
+        )
+        self.min_max_tokens = min_max_tokens if min_max_tokens is not None else (p.min_max_tokens if p else 16)
+        self.max_batch_size = max_batch_size if max_batch_size is not None else (p.max_batch_size if p else 8)
+
+    def decide(
+        self,
+        *,
+        num_layers: int,
+        prompt_tokens: int,
+        temperature: float,
+        max_tokens: int,
+        category: str | None = None,
+        batch_size: int = 1,
+        override: SpecOverride | None = None,
+    ) -> PolicyDecision:
+        o = override or SpecOverride()
+        if o.enabled is False:
+            return PolicyDecision(None, "off: disabled by the request")
+        if o.enabled or o.draft_layers is not None:
+            return self._forced(o, num_layers, prompt_tokens, temperature, category)
+        if temperature > self.temperature_threshold:
+            return PolicyDecision(None, f"off: temperature {temperature:g} > threshold {self.temperature_threshold:g}")
+        if max_tokens < self.min_max_tokens:
+            return PolicyDecision(None, f"off: max_tokens {max_tokens} < {self.min_max_tokens}, too short to pay")
+        if batch_size > self.max_batch_size:
+            return PolicyDecision(None, f"off: batch size {batch_size} > {self.max_batch_size}, compute is saturated")
+        if self.profile is None:
+            return PolicyDecision(None, "off: no calibration profile for this model and dtype (run selfspec calibrate)")
+        b = self.profile.bucket(category, prompt_tokens, temperature)
+        if b is None:
+            return PolicyDecision(None, "off: the profile has no bucket for this request")
+        name = f"{b.category}/{b.length_bucket}/T={b.temperature:g}"
+        speedup = b.measured_speedup if b.measured_speedup is not None else b.predicted_speedup
+        kind = "measured" if b.measured_speedup is not None else "predicted"
+        if speedup < 1.0:
+            return PolicyDecision(
+                None, f"off: bucket {name} {kind} {speedup:.2f}x at best (N={b.draft_layers}, gamma={b.gamma})"
+            )
+        return PolicyDecision(
+            SpecConfig(b.draft_layers, b.gamma),
+            f"on: bucket {name} {kind} {speedup:.2f}x with N={b.draft_layers}, gamma={b.gamma}",
+            self.profile.confidence_threshold,
+        )
+
+    def _forced(self, o: SpecOverride, num_layers: int, prompt_tokens: int, temperature: float, category) -> PolicyDecision:
+        b = self.profile.bucket(category, prompt_tokens, temperature) if self.profile else None
+        n = o.draft_layers or (b.draft_layers if b else num_layers // 2)
+        gamma = o.num_speculative_tokens or (b.gamma if b and n == b.draft_layers else 4)
+        return PolicyDecision(SpecConfig(n, gamma), f"on: requested (N={n}, gamma={gamma})")

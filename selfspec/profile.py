@@ -1,0 +1,107 @@
+"""Calibration profiles: what `selfspec calibrate` measured for one model, dtype and machine, and what
+the runtime policy reads back. Stored as versioned JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import SelfspecError
+
+PROFILE_VERSION = 1
+LENGTH_BUCKETS = (64, 256, 1024)  # prompt-token upper bounds; longer prompts fall in the last bucket
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def length_bucket(prompt_tokens: int) -> str:
+    low = 0
+    for high in LENGTH_BUCKETS:
+        if prompt_tokens < high:
+            return f"{low}-{high - 1}"
+        low = high
+    return f"{low}+"
+
+
+def temperature_bucket(temperature: float, calibrated: list[float]) -> float:
+    """The calibrated temperature nearest to the request's."""
+    return min(calibrated, key=lambda t: (abs(t - temperature), t))
+
+
+@dataclass
+class BucketChoice:
+    """Best configuration of one bucket (category x prompt length x temperature)."""
+
+    category: str
+    length_bucket: str
+    temperature: float
+    positions: int  # teacher-forced positions behind the estimate
+    alpha: dict[str, float]  # per draft depth N (as a string key): acceptance per drafted token
+    draft_layers: int
+    gamma: int
+    predicted_speedup: float
+    measured_speedup: float | None = None  # end to end, when validated
+
+
+@dataclass
+class Profile:
+    model: str
+    fingerprint: str
+    num_layers: int
+    dtype: str
+    machine: dict
+    temperatures: list[float]
+    draft_layers: list[int]
+    draft_cost: dict[str, float]  # c per N: one draft step / one full step, measured
+    verify_cost: dict[str, dict[str, float]]  # v per N per γ: one verification / one full step
+    buckets: list[BucketChoice]
+    knee: int  # draft depth past which acceptance stops paying for the extra layers
+    temperature_threshold: float  # above it speculation is off
+    min_max_tokens: int = 16  # requests asking for fewer tokens run plain
+    max_batch_size: int = 8  # above it speculation is off (compute is no longer idle)
+    confidence_threshold: float = 0.0  # adaptive draft stop: end a draft when its top probability falls below
+    validation: list[dict] = field(default_factory=list)  # end-to-end measurements behind the choices
+    skipped_prompts: list[str] = field(default_factory=list)  # longer than the model's context allows
+    version: int = PROFILE_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SelfspecError(f"cannot read profile {path}: {e}") from None
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "profile") -> "Profile":
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise SelfspecError(
+                f"{source} has profile version {version!r}; this selfspec reads version {PROFILE_VERSION}: "
+                "re-run `selfspec calibrate`"
+            )
+        try:
+            buckets = [BucketChoice(**b) for b in data.pop("buckets")]
+            return cls(buckets=buckets, **data)
+        except (TypeError, KeyError) as e:
+            raise SelfspecError(f"{source} is not a valid selfspec profile ({e})") from None
+
+    def bucket(self, category: str | None, prompt_tokens: int, temperature: float) -> BucketChoice | None:
+        """The bucket of a request; an unknown or missing category falls back to the 'all' bucket."""
+        t = temperature_bucket(temperature, self.temperatures)
+        length = length_bucket(prompt_tokens)
+        by_key = {(b.category, b.length_bucket, b.temperature): b for b in self.buckets}
+        for key in ((category, length, t), (category, "all", t), ("all", length, t), ("all", "all", t)):
+            if key in by_key:
+                return by_key[key]
+        return None
+
+
+def default_profile_path(fingerprint: str, dtype: str) -> Path:
+    return PROFILE_DIR / f"{fingerprint}-{dtype}.json"

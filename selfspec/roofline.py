@@ -1,0 +1,79 @@
+"""Is decoding memory-bound here? Measures read bandwidth, the bytes a decode step must read, the
+measured step, and the cost of a forward over k tokens relative to one (brief §1)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .model import DecoderModel
+
+BANDWIDTH_BYTES = 1 << 30  # 1 GiB: far larger than any cache level
+
+
+@dataclass
+class Roofline:
+    bandwidth_gb_s: float  # read bandwidth (a large tensor sum)
+    weight_bytes: int  # bytes of weights one decode step reads
+    bound_ms: float  # weight_bytes / bandwidth: the fastest a step can be
+    step_ms: float  # a measured one-token decode step
+    step_over_bound: float
+    k_costs: dict[int, float]  # k -> forward over k tokens / forward over 1 token
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    big = torch.ones(BANDWIDTH_BYTES // 4)
+    seconds = _median_time(lambda: big.sum(), repeats)
+    return BANDWIDTH_BYTES / seconds / 1e9
+
+
+def weight_bytes(model: DecoderModel) -> int:
+    total = model.head_weight.numel() * model.head_weight.element_size()
+    for layer in model.layers:
+        for t in vars(layer).values():
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+
+
+@torch.inference_mode()
+def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: int = 9) -> Roofline:
+    cache = model.new_cache(context + max_k + 16)
+    seq = cache.allocate()
+    batch = cache.prepare([seq], [context])
+    model.run_layers(model.embed(torch.arange(context)[None] % model.config.vocab_size), 0, model.num_layers, batch, cache)
+
+    def forward(k: int) -> None:
+        b = cache.prepare([seq], [k])
+        h = model.run_layers(model.embed(torch.full((1, k), 7)), 0, model.num_layers, b, cache)
+        model.logits(h).argmax(-1)
+        cache.truncate(seq, context)
+
+    times = {k: _median_time(lambda: forward(k), repeats) for k in range(1, max_k + 1)}
+    bandwidth = read_bandwidth()
+    nbytes = weight_bytes(model)
+    bound = nbytes / (bandwidth * 1e9)
+    return Roofline(
+        bandwidth_gb_s=bandwidth,
+        weight_bytes=nbytes,
+        bound_ms=bound * 1e3,
+        step_ms=times[1] * 1e3,
+        step_over_bound=times[1] / bound,
+        k_costs={k: t / times[1] for k, t in times.items()},
+    )

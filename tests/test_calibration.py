@@ -1,0 +1,153 @@
+"""Calibration on tiny models: teacher-forced acceptance, the round model, the adaptive-stop cutoff,
+a full calibrate run (profile, plots, resume), the policy it feeds, and the roofline and bench commands."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from selfspec import Engine, SamplingParams
+from selfspec.calibration import AcceptanceRecord, confidence_threshold, teacher_forced_acceptance, tokens_per_round
+from selfspec.cli.main import main
+from selfspec.profile import Profile
+
+from .conftest import DEV_SET, tiny_hf_model
+from .test_model_parity import ours
+
+
+def test_tokens_per_round_by_hand():
+    assert tokens_per_round([1, 1, 1, 1], 2) == pytest.approx((3 + 3 + 3 + 2) / 4)  # the last start sees 1 left
+    assert tokens_per_round([0, 0, 0], 4) == 1.0
+    assert tokens_per_round([0.5, 0.5], 2) == pytest.approx((1 + 0.5 + 0.25 + 1 + 0.5) / 2)
+
+
+def test_confidence_threshold_drops_unprofitable_drafts():
+    rec = AcceptanceRecord("q", "c", 10, 0.0, {"4": [0, 0, 1, 1, 1]}, {"4": [0.1, 0.2, 0.6, 0.7, 0.9]})
+    tau = confidence_threshold([rec], "4", c=0.3)
+    assert tau == math.nextafter(0.2, 1.0)  # drafts at 0.1 and 0.2 never pay; the rest do
+    all_good = AcceptanceRecord("q", "c", 10, 0.0, {"4": [1, 1]}, {"4": [0.1, 0.2]})
+    assert confidence_threshold([all_good], "4", c=0.3) == 0.0
+
+
+@torch.inference_mode()
+def test_teacher_forced_acceptance_is_exact():
+    hf = tiny_hf_model("llama", vocab_size=64, num_hidden_layers=4, initializer_range=0.3)
+    model = ours(hf)
+    cache = model.new_cache(256)
+    prompt, cont = [3, 9, 4], [7, 1, 22, 5, 5]
+    accept, top = teacher_forced_acceptance(model, cache, prompt, cont, [1, 3], 0.0)
+    tokens = torch.tensor([prompt + cont])
+    full = hf(tokens, output_hidden_states=True)
+    target = full.logits[0, 2:-1].argmax(-1)
+    for n in (1, 3):
+        draft = model.logits(full.hidden_states[n][0, 2:-1]).argmax(-1)
+        assert accept[str(n)] == (draft == target).float().tolist()
+        assert len(top[str(n)]) == len(cont)
+    sampled, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
+    assert all(0.0 <= b <= 1.0 for b in sampled["2"])
+    for layer in model.layers[2:]:  # upper layers add nothing: the exit at 2 is the model
+        layer.wo.zero_()
+        layer.w_down.zero_()
+    same, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
+    assert same["2"] == pytest.approx([1.0] * len(cont), abs=1e-5)
+    assert cache.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calib")
+    argv = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "1:3:1",
+            "--gammas", "1-3", "--temperatures", "0,0.7", "--per-category", "1", "--new-tokens", "12",
+            "--out", str(out / "profile.json"), "--plot", str(out / "plots"), "--json"]
+    assert main(argv) == 0
+    return out, argv
+
+
+def test_calibrate_writes_profile_and_plots(calibrated, capsys):
+    out, _ = calibrated
+    profile = Profile.load(out / "profile.json")
+    assert profile.num_layers == 4 and profile.draft_layers == [1, 2, 3] and profile.temperatures == [0.0, 0.7]
+    assert set(profile.draft_cost) == {"1", "2", "3"} and all(c > 0 for c in profile.draft_cost.values())
+    cats = {b.category for b in profile.buckets}
+    # the tiny model's 512-token context leaves out the long summarization and RAG prompts, and says so
+    assert len(profile.skipped_prompts) == 2
+    assert "all" in cats and "translation" in cats and len(cats) == 1 + 13 - 2
+    for b in profile.buckets:
+        assert 1 <= b.draft_layers <= 3 and 1 <= b.gamma <= 3 and b.positions > 0
+        assert all(0.0 <= a <= 1.0 for a in b.alpha.values())
+    assert any(v["measured_speedup"] > 0 for v in profile.validation)
+    for name in ("acceptance_vs_depth.png", "speedup_vs_gamma.png", "acceptance_heatmap.png"):
+        assert (out / "plots" / name).stat().st_size > 5000
+
+
+def test_calibrate_resumes_from_partial_results(calibrated, monkeypatch, capsys):
+    out, argv = calibrated
+    from selfspec import calibration
+
+    def boom(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(calibration, "teacher_forced_acceptance", boom)
+    monkeypatch.setattr(calibration, "time_costs", boom)
+    assert main(argv) == 0  # every record and the costs come from <out>.partial.jsonl
+
+
+def test_engine_follows_its_profile(calibrated, tiny_checkpoint):
+    out, _ = calibrated
+    profile = Profile.load(out / "profile.json")
+    for b in profile.buckets:  # make every bucket pay so the policy switches speculation on
+        b.measured_speedup = 1.5
+    engine = Engine.from_pretrained(str(tiny_checkpoint), profile=profile)
+    r = engine.generate("hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), category="qa")
+    assert r.stats.spec_policy.startswith("on: bucket qa/0-63/T=0 measured 1.50x") and r.stats.spec is not None
+    plain = engine.generate("hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), spec=None)
+    assert r.token_ids == plain.token_ids and plain.stats.spec_policy == "off: disabled by the request"
+    hot = engine.generate("hello", SamplingParams(temperature=0.95, max_tokens=20))
+    assert hot.stats.spec is None and hot.stats.spec_policy.startswith("off: temperature 0.95 > threshold")
+
+
+def test_adaptive_draft_stop(tiny_checkpoint):
+    from selfspec.speculative import SpecConfig
+
+    engine = Engine.from_pretrained(str(tiny_checkpoint))
+    req = engine.add_request(engine.encode("hi"), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), SpecConfig(2, 5))
+    req.confidence_threshold = 1.01  # no draft is ever that confident: every round stops after one draft
+    while not req.finished:
+        engine.step(req)
+    s = req.stats.spec
+    assert s.drafted == s.rounds and s.drafted_per_position[1:] == [0, 0, 0, 0]
+    engine.release(req)
+
+
+def test_calibrate_bad_arguments(capsys, tiny_checkpoint, tmp_path):
+    assert main(["calibrate", "--data", "/nope.jsonl", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--data /nope.jsonl: no such file" in capsys.readouterr().err
+    assert main(["calibrate", "--data", str(DEV_SET), "--gammas", "a-b", "--out", "x"]) == 2
+    assert "'a-b' is not a list of integers" in capsys.readouterr().err
+    args = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "2:6:2", "--out", str(tmp_path / "p.json")]
+    assert main(args) == 2
+    assert "this model has 4 layers" in capsys.readouterr().err
+
+
+def test_roofline_on_tiny_model(tiny_checkpoint, capsys):
+    assert main(["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bandwidth_gb_s"] > 0 and r["weight_bytes"] > 0 and r["step_ms"] > 0
+    assert set(r["k_costs"]) == {"1", "2", "3", "4"} and r["k_costs"]["1"] == 1.0
+
+
+def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
+    prefix = tmp_path / "bench"
+    argv = ["bench", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--compare", "plain,selfspec:2:2,hf,hf-prompt-lookup",
+            "--max-tokens", "16", "--out", str(prefix), "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    overall = {s["method"]: s for s in summary if s["category"] == "all"}
+    # 11 of the 13 prompts fit the tiny model's 512-token context
+    assert overall["selfspec:2:2"]["identical"] == overall["selfspec:2:2"]["prompts"] == 11  # lossless
+    assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["mean_accepted_tokens"] == 1.0
+    assert overall["hf"]["identical"] == 11  # transformers' greedy agrees with ours
+    for suffix in (".json", ".md", ".png"):
+        assert prefix.with_suffix(suffix).is_file()
+    assert main(["bench", "--data", str(DEV_SET), "--compare", "plain,nonsense"]) == 2

@@ -1,0 +1,92 @@
+import pytest
+
+from selfspec.errors import SelfspecError
+from selfspec.policy import SpecOverride, SpecPolicy
+from selfspec.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket
+
+
+def bucket(cat, lb, t, n, g, predicted, measured=None):
+    return BucketChoice(cat, lb, t, 500, {str(n): 0.6}, n, g, predicted, measured)
+
+
+def synthetic_profile(**kw) -> Profile:
+    buckets = [
+        bucket("all", "all", 0.0, 10, 3, 1.3),
+        bucket("all", "all", 0.3, 10, 2, 1.1),
+        bucket("qa", "all", 0.0, 12, 4, 1.5, measured=1.4),
+        bucket("translation", "all", 0.0, 10, 3, 1.2, measured=0.9),  # the measurement overrules
+        bucket("math", "0-63", 0.0, 8, 2, 0.8),
+    ]
+    base = dict(
+        model="synthetic", fingerprint="abc", num_layers=30, dtype="float32", machine={}, temperatures=[0.0, 0.3],
+        draft_layers=[8, 10, 12], draft_cost={"8": 0.3, "10": 0.35, "12": 0.4}, verify_cost={"10": {"3": 0.5}},
+        buckets=buckets, knee=10, temperature_threshold=0.5, confidence_threshold=0.2,
+    )
+    base.update(kw)
+    return Profile(**base)
+
+
+def decide(policy, **kw):
+    args = dict(num_layers=30, prompt_tokens=100, temperature=0.0, max_tokens=128)
+    args.update(kw)
+    return policy.decide(**args)
+
+
+def test_profile_round_trip(tmp_path):
+    p = synthetic_profile()
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+
+
+def test_profile_version_and_garbage(tmp_path):
+    bad = tmp_path / "old.json"
+    bad.write_text(synthetic_profile(version=PROFILE_VERSION + 1).to_json())
+    with pytest.raises(SelfspecError, match="re-run `selfspec calibrate`"):
+        Profile.load(bad)
+    bad.write_text("{not json")
+    with pytest.raises(SelfspecError, match="cannot read profile"):
+        Profile.load(bad)
+    bad.write_text('{"version": %d, "buckets": [], "model": "x"}' % PROFILE_VERSION)
+    with pytest.raises(SelfspecError, match="not a valid selfspec profile"):
+        Profile.load(bad)
+
+
+def test_length_buckets():
+    assert [length_bucket(n) for n in (0, 63, 64, 255, 256, 1023, 1024, 9999)] == [
+        "0-63", "0-63", "64-255", "64-255", "256-1023", "256-1023", "1024+", "1024+",
+    ]
+
+
+def test_policy_switches_on_from_bucket():
+    d = decide(SpecPolicy(synthetic_profile()), category="qa")
+    assert (d.spec.draft_layers, d.spec.num_speculative_tokens) == (12, 4)
+    assert d.reason == "on: bucket qa/all/T=0 measured 1.40x with N=12, gamma=4" and d.confidence_threshold == 0.2
+    d = decide(SpecPolicy(synthetic_profile()), category="unknown-category")  # falls back to all/all
+    assert d.spec.draft_layers == 10 and "all/all/T=0 predicted 1.30x" in d.reason
+
+
+def test_policy_switches_off_and_says_why():
+    policy = SpecPolicy(synthetic_profile())
+    assert decide(policy, temperature=0.9).reason == "off: temperature 0.9 > threshold 0.5"
+    assert decide(policy, max_tokens=4).reason == "off: max_tokens 4 < 16, too short to pay"
+    assert decide(policy, batch_size=9).reason == "off: batch size 9 > 8, compute is saturated"
+    d = decide(policy, category="translation")
+    assert d.spec is None and d.reason == "off: bucket translation/all/T=0 measured 0.90x at best (N=10, gamma=3)"
+    d = decide(policy, category="math", prompt_tokens=10)
+    assert d.spec is None and "predicted 0.80x" in d.reason
+    d = decide(SpecPolicy(None))
+    assert d.spec is None and "no calibration profile" in d.reason
+    assert decide(SpecPolicy(None), temperature=0.8).reason == "off: temperature 0.8 > threshold 0.7"
+
+
+def test_request_override():
+    policy = SpecPolicy(synthetic_profile())
+    assert decide(policy, override=SpecOverride(enabled=False), category="qa").spec is None
+    d = decide(policy, override=SpecOverride(enabled=True), temperature=0.9)  # forced on despite the threshold
+    assert d.spec.draft_layers == 10 and d.reason.startswith("on: requested")
+    d = decide(SpecPolicy(None), override=SpecOverride(draft_layers=6, num_speculative_tokens=2))
+    assert (d.spec.draft_layers, d.spec.num_speculative_tokens) == (6, 2)
+    with pytest.raises(ValueError, match="num_speculative_tokens=99"):
+        SpecOverride(num_speculative_tokens=99)
+    with pytest.raises(ValueError, match="enabled='yes'"):
+        SpecOverride(enabled="yes")
