@@ -46,7 +46,7 @@ def top2_gap(engine: Engine, prompt_ids: list[int], prefix: list[int]) -> float:
     """The plain model's top-1 minus top-2 logit after prompt + prefix (a single-token last step)."""
     req = engine.add_request(prompt_ids + prefix, SamplingParams(temperature=0, max_tokens=1))
     try:
-        engine._prefill(req)
+        engine.prefill(req)
         batch = engine.cache.prepare([req.kv], [1])
         h = engine.model.run_layers(engine.model.embed(torch.tensor([[req.last_token]])), 0, engine.model.num_layers, batch, engine.cache)
         top = engine.model.logits(h[0, -1]).topk(2).values

@@ -29,6 +29,7 @@ def generate_batch(
     spec: SpecConfig | None,
     generators: list[torch.Generator | None],
     new_tokens: int,
+    draft_logits=None,
 ) -> list[list[int]]:
     """Advances every sequence (its cache holding all but `last[b]`) until each has new_tokens more
     tokens; EOS is not special. Rows that finish early keep running with the rest."""
@@ -39,7 +40,7 @@ def generate_batch(
         if spec is None:
             result = plain_round(model, cache, seqs, inputs, [params] * rows, generators)
         else:
-            result = speculative_round(model, cache, seqs, inputs, spec, [params] * rows, generators)
+            result = speculative_round(model, cache, seqs, inputs, spec, [params] * rows, generators, draft_logits=draft_logits)
         for t, new in zip(tokens, result.tokens):
             t += new
     return [t[:new_tokens] for t in tokens]

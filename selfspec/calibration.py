@@ -9,17 +9,24 @@ machine. The predicted speedup of (N, γ) is E(N, γ) / (γ·c(N) + v(N, γ)).""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from .kv_cache import PagedKVCache
+from .batch import generate_batch, prefill
 from .errors import SelfspecError
+from .kv_cache import PagedKVCache
 from .model import DecoderModel
-from .profile import length_bucket
+from .profile import BucketChoice, Profile, length_bucket
+from .sampling import SamplingParams, make_generator
+from .speculative import SpecConfig
 from .speedup import expected_accepted_from_positions
 
 
@@ -113,7 +120,7 @@ def time_costs(
             return model.logits(h).argmax(-1) if head else h
 
         def verify(n: int, gamma: int) -> None:
-            hidden = forward(1, 0, n, head=False)  # noqa: F841 - the last draft token's pass
+            forward(1, 0, n, head=False)  # the last draft token's pass through [0, N)
             b = cache.prepare([seq], [gamma + 1], [base])
             h = model.run_layers(torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype), n, model.num_layers, b, cache)
             model.logits(h).argmax(-1)
@@ -202,11 +209,6 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     """-> (Profile, records, bucket estimates). `questions` are Spec-Bench style dicts (question_id,
     category, turns). Records already in `partial_path` (JSON lines) are reused, new ones appended,
     so an interrupted run resumes where it stopped."""
-    import json
-    from pathlib import Path
-
-    from .profile import BucketChoice, Profile
-
     model = engine.model
     limit = min(model.config.max_position_embeddings, engine.max_model_len)
     encoded = {str(q["question_id"]): engine.encode(q["turns"][0]) for q in questions}
@@ -258,9 +260,6 @@ def _key(q: dict, t: float) -> str:
 
 
 def _load_partial(path) -> dict:
-    import json
-    from pathlib import Path
-
     out = {}
     if path and Path(path).is_file():
         for line in Path(path).read_text().splitlines():
@@ -270,8 +269,6 @@ def _load_partial(path) -> dict:
 
 
 def _append_partial(path, item: dict) -> None:
-    import json
-
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(item) + "\n")
@@ -279,9 +276,6 @@ def _append_partial(path, item: dict) -> None:
 
 def _continuations(engine, cache, prompts: list[list[int]], temperature: float, plan: CalibrationPlan) -> list[list[int]]:
     """The model's own responses (sampled at the bucket's temperature, cut after EOS)."""
-    from .batch import generate_batch, prefill
-    from .sampling import SamplingParams, make_generator
-
     model = engine.model
     seqs = [cache.allocate() for _ in prompts]
     try:
@@ -303,9 +297,6 @@ def _continuations(engine, cache, prompts: list[list[int]], temperature: float, 
 def _validate(engine, questions, estimates: list[BucketEstimate], plan: CalibrationPlan) -> list[dict]:
     """End-to-end speculative vs plain runs (interleaved) for every bucket the prediction switches on,
     and, at T = 0, for each γ at the best depth (the measured side of the speedup-vs-γ plot)."""
-    from .sampling import SamplingParams
-    from .speculative import SpecConfig
-
     overall = next(e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures)))
     best_n, _, _ = overall.best()
     jobs = [(overall, best_n, g) for g in plan.gammas]
@@ -340,8 +331,6 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
 
 
 def _profile(engine, plan, costs, records, estimates, validation):
-    from .profile import BucketChoice, Profile
-
     measured = {(v["category"], v["length_bucket"], v["temperature"], v["draft_layers"], v["gamma"]): v["measured_speedup"] for v in validation}
     buckets = []
     for e in estimates:
@@ -355,8 +344,8 @@ def _profile(engine, plan, costs, records, estimates, validation):
     overall = {b.temperature: b for b in buckets if b.category == "all" and b.length_bucket == "all"}
     t0 = overall[min(plan.temperatures)]
     paying = [t for t, b in sorted(overall.items()) if (b.measured_speedup or b.predicted_speedup) >= 1.0]
-    knee = t0.draft_layers
-    tau = confidence_threshold([r for r in records if r.temperature == min(plan.temperatures)], str(knee), costs["c"][str(knee)])
+    best = t0.draft_layers
+    tau = confidence_threshold([r for r in records if r.temperature == min(plan.temperatures)], str(best), costs["c"][str(best)])
     return Profile(
         model=engine.name,
         fingerprint=engine.model.fingerprint,
@@ -368,15 +357,24 @@ def _profile(engine, plan, costs, records, estimates, validation):
         draft_cost=costs["c"],
         verify_cost=costs["v"],
         buckets=buckets,
-        knee=knee,
+        knee=knee(t0.alpha),
+        best_draft_layers=best,
         temperature_threshold=max(paying) if paying else 0.0,
         confidence_threshold=tau if paying else 0.0,
         validation=validation,
     )
 
 
-def _machine() -> dict:
-    import os
-    import platform
+def knee(alpha: dict[str, float]) -> int:
+    """The knee of acceptance vs draft depth: the depth farthest from the chord between the first and
+    the last depth (the "kneedle" rule), i.e. where acceptance turns from flat to rising (or back)."""
+    depths = sorted(int(n) for n in alpha)
+    if len(depths) < 3:
+        return depths[-1]
+    (x0, y0), (x1, y1) = (depths[0], alpha[str(depths[0])]), (depths[-1], alpha[str(depths[-1])])
+    chord = lambda x: y0 + (y1 - y0) * (x - x0) / (x1 - x0)  # noqa: E731
+    return max(depths, key=lambda n: abs(chord(n) - alpha[str(n)]))
 
+
+def _machine() -> dict:
     return {"platform": platform.platform(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

@@ -35,9 +35,10 @@ def sample_continuations(
     new_tokens: int,
     seed: int,
     chunk: int = 128,
+    draft_logits=None,
 ) -> list[list[int]]:
     """num_samples continuations of exactly new_tokens tokens each (EOS is not special here). Row i
-    draws from its own generator seeded with seed + i."""
+    draws from its own generator seeded with seed + i. `draft_logits`: a draft head's logits."""
     root = cache.allocate()
     out: list[list[int]] = []
     try:
@@ -47,7 +48,7 @@ def sample_continuations(
             seqs = [cache.fork(root) for _ in range(rows)]
             gens = [make_generator(seed + first + i) for i in range(rows)]
             try:
-                out += generate_batch(model, cache, seqs, [prompt[-1]] * rows, params, spec, gens, new_tokens)
+                out += generate_batch(model, cache, seqs, [prompt[-1]] * rows, params, spec, gens, new_tokens, draft_logits)
             finally:
                 for s in seqs:
                     cache.free(s)

@@ -12,7 +12,10 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .batch import prefill as prefill_tokens
+from . import draft_head as draft_heads
 from .detokenizer import TextStream
+from .draft_head import DraftHead
 from .errors import SelfspecError
 from .kv_cache import SequenceKV
 from .loader import DEFAULT_MODEL, LoadedModel, load
@@ -47,8 +50,8 @@ class SpecStats:
         self.drafted_per_position = self.drafted_per_position or [0] * self.num_speculative_tokens
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
 
-    def record(self, result: RoundResult) -> None:
-        accepted, gamma = result.num_accepted[0], result.drafted[0]
+    def record(self, result: RoundResult, row: int = 0) -> None:
+        accepted, gamma = result.num_accepted[row], result.drafted[row]
         self.rounds += 1
         self.drafted += gamma
         self.accepted += accepted
@@ -163,6 +166,7 @@ class Request:
     max_length: int  # prompt + output may not exceed this many tokens
     spec: SpecConfig | None = None
     confidence_threshold: float = 0.0  # adaptive draft stop
+    prefilled: bool = False
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -203,7 +207,8 @@ class Engine:
         *,
         kv_cache_tokens: int | None = None,
         block_size: int = 16,
-        profile: Profile | str | None = None,
+        profile: Profile | str | bool | None = None,
+        draft_head: DraftHead | str | bool | None = None,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -220,9 +225,21 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.policy = SpecPolicy(self._profile(profile))
+        head = self._draft_head(draft_head)
+        self.draft_heads: dict[int, DraftHead] = {head.draft_layers: head} if head else {}
 
-    def _profile(self, profile: Profile | str | None) -> Profile | None:
-        """An explicit profile (object or path), else the shipped one for this model and dtype, if any."""
+    def _draft_head(self, head: DraftHead | str | bool | None) -> DraftHead | None:
+        """An explicit draft head (object or path), none (False), else the shipped one for this model."""
+        if head is False or isinstance(head, DraftHead):
+            return head or None
+        path = head if head is not None else draft_heads.default_path(self.model)
+        return draft_heads.load(path, self.model) if path else None
+
+    def _profile(self, profile: Profile | str | bool | None) -> Profile | None:
+        """An explicit profile (object or path), none at all (False), else the shipped one for this
+        model and dtype, if any."""
+        if profile is False:
+            return None
         if isinstance(profile, Profile):
             found = profile
         elif profile is not None:
@@ -246,13 +263,14 @@ class Engine:
         dtype: str | torch.dtype = "float32",
         kv_cache_tokens: int | None = None,
         num_threads: int | None = None,
-        profile: Profile | str | None = None,
+        profile: Profile | str | bool | None = None,
+        draft_head: DraftHead | str | bool | None = None,
     ) -> "Engine":
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads={num_threads}: must be >= 1")
             torch.set_num_threads(num_threads)
-        return cls(load(model, dtype), kv_cache_tokens=kv_cache_tokens, profile=profile)
+        return cls(load(model, dtype), kv_cache_tokens=kv_cache_tokens, profile=profile, draft_head=draft_head)
 
     # ---- prompts ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
@@ -273,7 +291,9 @@ class Engine:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     # ---- the step API -----------------------------------------------------------------------------
-    def decide(self, prompt_tokens: int, params: SamplingParams, spec: Speculation = "auto", *, category: str | None = None, batch_size: int = 1) -> PolicyDecision:
+    def decide(
+        self, prompt_tokens: int, params: SamplingParams, spec: Speculation = "auto", *, category: str | None = None
+    ) -> PolicyDecision:
         """Whether and how a request speculates: `spec` is "auto" (the policy decides from the profile),
         None / False (plain), a SpecConfig (exactly that), or a SpecOverride (the request's say)."""
         if spec is None or spec is False:
@@ -293,7 +313,6 @@ class Engine:
             temperature=params.temperature,
             max_tokens=params.max_tokens,
             category=category,
-            batch_size=batch_size,
             override=spec,
         )
         if decision.spec is not None:
@@ -330,42 +349,66 @@ class Engine:
             ),
         )
 
-    @torch.inference_mode()
     def step(self, req: Request) -> StepOutput:
         """One decoding step: a speculative round when the request asks for one, else one plain token.
         The first step prefills; it is always plain, which gives the first token at the lowest latency
         and measures the full-step cost that the draft cost ratio c is taken against."""
-        if req.finished:
-            raise SelfspecError("request already finished")
-        if req.kv.length == 0 and len(req.prompt_ids) > 1:
-            self._prefill(req)
-        remaining = req.max_length - len(req.prompt_ids) - len(req.output_ids)  # tokens it may still emit
-        spec = req.spec if req.stats.steps > 0 and remaining > 1 else None
-        start = time.perf_counter()
-        if spec is None:
-            result = plain_round(self.model, self.cache, [req.kv], [req.last_token], [req.params], [req.generator])
-        else:
-            gamma = min(spec.num_speculative_tokens, remaining - 1)  # never draft past the length limit
-            if gamma != spec.num_speculative_tokens:
-                spec = SpecConfig(spec.draft_layers, gamma)
-            result = speculative_round(
-                self.model, self.cache, [req.kv], [req.last_token], spec, [req.params], [req.generator],
-                confidence_threshold=req.confidence_threshold,
-            )
-        out = self._append(req, result.tokens[0])
-        elapsed = time.perf_counter() - start
-        stats = req.stats
-        if stats.spec is not None:
-            if spec is None:
-                stats.spec.full_steps += 1
-                stats.spec.full_step_seconds += elapsed
+        return self.step_batch([req])[0]
+
+    @torch.inference_mode()
+    def step_batch(self, reqs: list[Request], *, speculate: bool = True) -> list[StepOutput]:
+        """One round for several requests at once (continuous batching's unit). Requests speculating
+        with the same draft depth share every pass; plain rows (first steps, speculation off, or
+        `speculate=False`) ride along with 0 drafts. Different depths run as separate groups."""
+        for req in reqs:
+            if req.finished:
+                raise SelfspecError("request already finished")
+            if not req.prefilled:
+                self.prefill(req)
+        groups: dict[int | None, list[tuple[int, int]]] = {}  # draft depth -> [(request index, γ_b)]
+        for i, req in enumerate(reqs):
+            remaining = req.max_length - len(req.prompt_ids) - len(req.output_ids)  # tokens it may still emit
+            if speculate and req.spec is not None and req.stats.steps > 0 and remaining > 1:
+                groups.setdefault(req.spec.draft_layers, []).append((i, min(req.spec.num_speculative_tokens, remaining - 1)))
             else:
-                stats.spec.record(result)
-        stats.decode_seconds += elapsed
-        if stats.steps == 0:
-            stats.time_to_first_token = stats.prefill_seconds + elapsed
-        stats.steps += 1
-        return out
+                groups.setdefault(None, [])
+                groups[None].append((i, 0))
+        if None in groups and len(groups) > 1:  # plain rows join a speculating group's passes
+            plain = groups.pop(None)
+            groups[next(iter(groups))] += plain
+        outputs: list[StepOutput | None] = [None] * len(reqs)
+        for depth, rows in groups.items():
+            self._round([reqs[i] for i, _ in rows], depth, [g for _, g in rows], outputs, [i for i, _ in rows])
+        return outputs
+
+    def _round(self, reqs: list[Request], depth: int | None, gammas: list[int], outputs: list, slots: list[int]) -> None:
+        seqs, last = [r.kv for r in reqs], [r.last_token for r in reqs]
+        params, gens = [r.params for r in reqs], [r.generator for r in reqs]
+        start = time.perf_counter()
+        if depth is None:
+            result = plain_round(self.model, self.cache, seqs, last, params, gens)
+        else:
+            spec = SpecConfig(depth, max(gammas))
+            threshold = max(r.confidence_threshold for r in reqs)
+            head = self.draft_heads.get(depth)
+            result = speculative_round(
+                self.model, self.cache, seqs, last, spec, params, gens, threshold, gammas, head.logits if head else None
+            )
+        elapsed = time.perf_counter() - start
+        for row, (req, slot) in enumerate(zip(reqs, slots)):
+            outputs[slot] = self.append(req, result.tokens[row])
+            stats = req.stats
+            if stats.spec is not None:
+                if result.drafted[row] == 0:
+                    if depth is None:  # a plain step measured alone: the reference for c
+                        stats.spec.full_steps += 1
+                        stats.spec.full_step_seconds += elapsed
+                else:
+                    stats.spec.record(result, row)
+            stats.decode_seconds += elapsed
+            if stats.steps == 0:
+                stats.time_to_first_token = stats.prefill_seconds + elapsed
+            stats.steps += 1
 
     def release(self, req: Request) -> None:
         self.cache.free(req.kv)
@@ -407,20 +450,16 @@ class Engine:
             reason, stats = chunk.finish_reason or reason, chunk.stats
         return GenerationResult("".join(text), ids, reason, stats)
 
-    # ---- internals --------------------------------------------------------------------------------
-    def _prefill(self, req: Request) -> None:
+    # ---- pieces the scheduler drives ----------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> None:
+        """Runs the prompt (all but its last token, minus any prefix already cached) into the cache."""
         start = time.perf_counter()
-        ids = req.prompt_ids[:-1]
-        for i in range(0, len(ids), PREFILL_CHUNK):
-            self._forward(req, ids[i : i + PREFILL_CHUNK])
+        prefill_tokens(self.model, self.cache, req.kv, req.prompt_ids[req.kv.length : -1], PREFILL_CHUNK)
         req.stats.prefill_seconds = time.perf_counter() - start
+        req.prefilled = True
 
-    def _forward(self, req: Request, tokens: list[int]) -> None:
-        """Runs all layers over `tokens`, appending their K/V to the request's cache."""
-        batch = self.cache.prepare([req.kv], [len(tokens)])
-        self.model.run_layers(self.model.embed(torch.tensor([tokens])), 0, self.model.num_layers, batch, self.cache)
-
-    def _append(self, req: Request, tokens: list[int]) -> StepOutput:
+    def append(self, req: Request, tokens: list[int]) -> StepOutput:
         """Appends sampled tokens until one finishes the request; returns those kept with their text."""
         out = StepOutput([], [])
         p = req.params

@@ -73,9 +73,25 @@ class PagedKVCache:
     def fork(self, seq: SequenceKV) -> SequenceKV:
         """A new sequence sharing all of `seq`'s blocks (refcounted); a later write copies only the
         block it writes into, if shared."""
-        for b in seq.block_table:
-            self.refcount[b] += 1
+        self.share(seq.block_table)
         return SequenceKV(seq_id=next(self._ids), block_table=list(seq.block_table), length=seq.length)
+
+    def adopt(self, seq: SequenceKV, blocks: list[int]) -> None:
+        """Starts an empty sequence on existing full blocks (a cached prefix), sharing them."""
+        if seq.block_table:
+            raise ValueError("adopt needs an empty sequence")
+        self.share(blocks)
+        seq.block_table = list(blocks)
+        seq.length = len(blocks) * self.block_size
+
+    def share(self, blocks: list[int]) -> None:
+        """Takes one more reference on each block (a prefix cache holding it, a fork)."""
+        for b in blocks:
+            self.refcount[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drops one reference per block; a block nobody references is free again."""
+        self._release(blocks)
 
     def free(self, seq: SequenceKV) -> None:
         self._release(seq.block_table)

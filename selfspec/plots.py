@@ -26,7 +26,8 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for t, e in sorted(overall.items()):
         ax.plot(depths, [e.alpha[str(n)] for n in depths], marker="o", label=f"T={t:g}")
-    ax.axvline(profile.knee, color="gray", linestyle="--", label=f"best depth N={profile.knee}")
+    ax.axvline(profile.knee, color="gray", linestyle="--", label=f"knee N={profile.knee}")
+    ax.axvline(profile.best_draft_layers, color="green", linestyle=":", label=f"best predicted speedup N={profile.best_draft_layers}")
     ax.set(xlabel="draft depth N (layers)", ylabel="acceptance per drafted token", title=f"{profile.model}: acceptance vs N", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend()
@@ -34,11 +35,11 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
 
     t0 = min(overall)
     e = overall[t0]
-    n = str(profile.knee)
+    n = str(profile.best_draft_layers)
     gammas = sorted(int(g) for g in e.speedup[n])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(gammas, [e.speedup[n][str(g)] for g in gammas], marker="o", label="predicted E/(γc+v)")
-    measured = [v for v in profile.validation if v["draft_layers"] == profile.knee and v["category"] == "all" and v["temperature"] == t0]
+    measured = [v for v in profile.validation if v["draft_layers"] == profile.best_draft_layers and v["category"] == "all" and v["temperature"] == t0]
     if measured:
         ax.plot([v["gamma"] for v in measured], [v["measured_speedup"] for v in measured], marker="s", linestyle="none", label="measured end to end")
     ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
@@ -49,6 +50,7 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
 
     cats = sorted({x.category for x in estimates if x.category != "all"}) + ["all"]
     temps = sorted(overall)
+    n = str(profile.knee)
     grid = {(x.category, x.temperature): x.alpha[n] for x in estimates if x.length_bucket == "all"}
     fig, ax = plt.subplots(figsize=(1.2 * len(temps) + 3, 0.4 * len(cats) + 1.5))
     data = [[grid.get((c, t), float("nan")) for t in temps] for c in cats]
@@ -58,7 +60,7 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
             ax.text(j, i, f"{val:.2f}", ha="center", va="center", color="white" if val < 0.6 else "black", fontsize=8)
     ax.set_xticks(range(len(temps)), [f"T={t:g}" for t in temps])
     ax.set_yticks(range(len(cats)), cats)
-    ax.set_title(f"acceptance per bucket at N={n}")
+    ax.set_title(f"acceptance per bucket at the knee N={n}")
     fig.colorbar(im, ax=ax)
     paths.append(_save(fig, out / "acceptance_heatmap.png"))
     return paths

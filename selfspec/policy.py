@@ -23,8 +23,11 @@ class SpecOverride:
     def __post_init__(self) -> None:
         if self.enabled is not None and not isinstance(self.enabled, bool):
             raise ValueError(f"enabled={self.enabled!r} is invalid: use true, false or leave it unset")
-        if self.draft_layers is not None or self.num_speculative_tokens is not None:
-            SpecConfig(self.draft_layers or 1, self.num_speculative_tokens or 1)  # validates the values
+        if self.draft_layers is not None or self.num_speculative_tokens is not None:  # validates the values
+            SpecConfig(
+                1 if self.draft_layers is None else self.draft_layers,
+                1 if self.num_speculative_tokens is None else self.num_speculative_tokens,
+            )
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class SpecPolicy:
         self.min_max_tokens = min_max_tokens if min_max_tokens is not None else (p.min_max_tokens if p else 16)
         self.max_batch_size = max_batch_size if max_batch_size is not None else (p.max_batch_size if p else 8)
 
+    def allows_batch(self, batch_size: int) -> bool:
+        """Speculation pays only while compute sits idle: off above max_batch_size requests."""
+        return batch_size <= self.max_batch_size
+
     def decide(
         self,
         *,
@@ -71,7 +78,7 @@ class SpecPolicy:
             return PolicyDecision(None, f"off: temperature {temperature:g} > threshold {self.temperature_threshold:g}")
         if max_tokens < self.min_max_tokens:
             return PolicyDecision(None, f"off: max_tokens {max_tokens} < {self.min_max_tokens}, too short to pay")
-        if batch_size > self.max_batch_size:
+        if not self.allows_batch(batch_size):
             return PolicyDecision(None, f"off: batch size {batch_size} > {self.max_batch_size}, compute is saturated")
         if self.profile is None:
             return PolicyDecision(None, "off: no calibration profile for this model and dtype (run selfspec calibrate)")

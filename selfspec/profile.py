@@ -55,7 +55,8 @@ class Profile:
     draft_cost: dict[str, float]  # c per N: one draft step / one full step, measured
     verify_cost: dict[str, dict[str, float]]  # v per N per γ: one verification / one full step
     buckets: list[BucketChoice]
-    knee: int  # draft depth past which acceptance stops paying for the extra layers
+    knee: int  # the knee of acceptance vs draft depth at the lowest temperature
+    best_draft_layers: int  # the depth with the best predicted speedup at the lowest temperature
     temperature_threshold: float  # above it speculation is off
     min_max_tokens: int = 16  # requests asking for fewer tokens run plain
     max_batch_size: int = 8  # above it speculation is off (compute is no longer idle)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -81,10 +82,13 @@ def speculative_round(
     generators: list[torch.Generator | None],
     confidence_threshold: float = 0.0,
     gammas: list[int] | None = None,
+    draft_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> RoundResult:
     """`gammas` caps each row's drafts (default γ for all; 0 makes the row a plain step that shares
     the round's passes). `confidence_threshold` > 0 ends a row's draft once its top probability falls
-    below it (the adaptive draft stop); the round verifies the drafts each row has."""
+    below it (the adaptive draft stop); the round verifies the drafts each row has. `draft_logits`
+    maps layer-N hidden states to draft logits (a trained draft head); default: final norm + LM head."""
+    draft_logits = draft_logits or model.logits
     n, rows = spec.draft_layers, len(seqs)
     caps = list(gammas) if gammas is not None else [spec.num_speculative_tokens] * rows
     p0 = [s.length for s in seqs]
@@ -97,7 +101,7 @@ def speculative_round(
     while active:
         x = torch.tensor([[inputs[b][-1]] for b in active])  # [A, 1]
         h = _run(model, cache, [seqs[b] for b in active], model.embed(x), 0, n)  # [A, 1, hidden] at layer N
-        logits = model.logits(h[:, -1])  # [A, vocab]
+        logits = draft_logits(h[:, -1])  # [A, vocab]
         ids, q = sample_rows(logits, [params[b] for b in active], [generators[b] for b in active])
         top = _top_prob(logits, q) if confidence_threshold > 0 else None
         still = []

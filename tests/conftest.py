@@ -87,3 +87,13 @@ def tiny_engine(tiny_checkpoint):
     from selfspec import Engine
 
     return Engine.from_pretrained(str(tiny_checkpoint), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_model():
+    """A random 4-layer llama over 12 tokens: small enough to enumerate exact joint distributions."""
+    from selfspec.config import ModelConfig
+    from selfspec.model import build_model
+
+    hf = tiny_hf_model("llama", vocab_size=12, num_hidden_layers=4, initializer_range=0.4, seed=5)
+    return build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, torch.float32)

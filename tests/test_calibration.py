@@ -16,6 +16,14 @@ from .conftest import DEV_SET, tiny_hf_model
 from .test_model_parity import ours
 
 
+def test_knee_of_acceptance_curve():
+    from selfspec.calibration import knee
+
+    flat_then_rising = {"4": 0.05, "8": 0.05, "12": 0.06, "16": 0.1, "20": 0.3, "24": 0.6}
+    assert knee(flat_then_rising) == 16
+    assert knee({"2": 0.1, "4": 0.2}) == 4
+
+
 def test_tokens_per_round_by_hand():
     assert tokens_per_round([1, 1, 1, 1], 2) == pytest.approx((3 + 3 + 3 + 2) / 4)  # the last start sees 1 left
     assert tokens_per_round([0, 0, 0], 4) == 1.0

@@ -20,7 +20,7 @@ def synthetic_profile(**kw) -> Profile:
     base = dict(
         model="synthetic", fingerprint="abc", num_layers=30, dtype="float32", machine={}, temperatures=[0.0, 0.3],
         draft_layers=[8, 10, 12], draft_cost={"8": 0.3, "10": 0.35, "12": 0.4}, verify_cost={"10": {"3": 0.5}},
-        buckets=buckets, knee=10, temperature_threshold=0.5, confidence_threshold=0.2,
+        buckets=buckets, knee=10, best_draft_layers=10, temperature_threshold=0.5, confidence_threshold=0.2,
     )
     base.update(kw)
     return Profile(**base)

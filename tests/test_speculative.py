@@ -12,8 +12,6 @@ from selfspec.batch import prefill as prefill_tokens
 from selfspec.distribution import sample_continuations
 from selfspec.speculative import speculative_round
 
-from .conftest import tiny_hf_model
-from .test_model_parity import ours
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -73,12 +71,6 @@ def test_speculation_respects_max_tokens_and_stop(tiny_engine):
 # ---- sampled: the exact joint distribution of the first two tokens ------------------------------------
 
 VOCAB = 12
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model():
-    hf = tiny_hf_model("llama", vocab_size=VOCAB, num_hidden_layers=4, initializer_range=0.4, seed=5)
-    return ours(hf)
 
 
 def exact_joint(model, prompt, params):

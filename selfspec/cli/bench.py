@@ -62,7 +62,6 @@ class Runner:
 
     def hf_model(self):
         if self._hf is None:
-            import torch
             from transformers import AutoModelForCausalLM
 
             self._hf = AutoModelForCausalLM.from_pretrained(str(self.engine.checkpoint_dir), dtype=self.engine.model.dtype).eval()

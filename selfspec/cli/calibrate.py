@@ -4,7 +4,6 @@ the profile the runtime policy loads, and plots."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from .common import ArgumentParser, add_model_args, positive_int, run
@@ -82,7 +81,9 @@ def _body(args) -> int:
     if min(temps) < 0:
         raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
     questions = load_questions(args.data, args.per_category)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
+    engine = Engine.from_pretrained(
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=False
+    )
     layers = engine.model.num_layers
     if min(depths) < 1 or max(depths) >= layers:
         raise ValueError(f"--draft-layers {args.draft_layers}: this model has {layers} layers, use depths in 1..{layers - 1}")
@@ -98,6 +99,7 @@ def _body(args) -> int:
         "profile": args.out,
         "plots": plots,
         "knee": profile.knee,
+        "best_draft_layers": profile.best_draft_layers,
         "temperature_threshold": profile.temperature_threshold,
         "buckets_on": sum(1 for b in profile.buckets if (b.measured_speedup or b.predicted_speedup) >= 1.0),
         "buckets": len(profile.buckets),
@@ -107,7 +109,10 @@ def _body(args) -> int:
         print(json.dumps(summary))
         return 0
     print(f"profile written to {args.out} ({len(profile.buckets)} buckets, {summary['buckets_on']} with speculation on)")
-    print(f"best draft depth N={profile.knee}; speculation off above T={profile.temperature_threshold:g}")
+    print(
+        f"acceptance knee at N={profile.knee}; best predicted speedup at N={profile.best_draft_layers}; "
+        f"speculation off above T={profile.temperature_threshold:g}"
+    )
     for v in profile.validation:
         print(
             f"  {v['category']}/T={v['temperature']:g} N={v['draft_layers']} gamma={v['gamma']}: "

@@ -4,7 +4,6 @@ Samples continuations with and without speculation and compares them statistical
 from __future__ import annotations
 
 import json
-import sys
 
 from .common import ArgumentParser, add_model_args, positive_int, run
 

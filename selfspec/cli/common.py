@@ -54,6 +54,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
     g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
     g.add_argument("--category", help="request category for the profile's buckets (e.g. qa, translation)")
+    g.add_argument("--draft-head", help="trained draft head (.safetensors; default: the shipped one for this model)")
+    g.add_argument("--no-draft-head", action="store_true", help="draft with the plain early exit")
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -66,3 +68,10 @@ def spec_from_args(args: argparse.Namespace):
             raise ValueError("--gamma needs --draft-layers N (the draft depth)")
         return "auto"
     return SpecConfig(args.draft_layers, args.gamma or 4)
+
+
+def draft_head_arg(args: argparse.Namespace):
+    """--no-draft-head -> False (none), --draft-head PATH -> PATH, else None (the shipped default)."""
+    if args.no_draft_head:
+        return False
+    return args.draft_head

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import ArgumentParser, add_model_args, add_spec_args, positive_int, run, spec_from_args
+from .common import ArgumentParser, add_model_args, add_spec_args, draft_head_arg, positive_int, run, spec_from_args
 
 PROG = "selfspec generate"
 
@@ -59,7 +59,8 @@ def _body(args) -> int:
     prompt = _prompt(args)
     spec = spec_from_args(args)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads,
+        profile=args.profile, draft_head=draft_head_arg(args),
     )
     if args.json:
         result = engine.generate(prompt, params, spec=spec, chat=not args.raw, category=args.category)

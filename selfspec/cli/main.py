@@ -12,6 +12,8 @@ COMMANDS = {
     "estimate": "the speedup model: tokens per round, cost per round, speedup, best gamma",
     "roofline": "memory bandwidth, the decode step's lower bound, and the k-token forward cost curve",
     "bench": "Spec-Bench-style speedup table against transformers peers",
+    "serve": "OpenAI-compatible HTTP server with continuous batching",
+    "train-draft": "train draft exit adapters by self-distillation",
 }
 
 

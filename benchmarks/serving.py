@@ -1,0 +1,200 @@
+"""Serving throughput and latency vs concurrency, speculation off / on / policy, in one run.
+
+    python benchmarks/serving.py [--dtype float32] [--concurrency 1,2,4,8,16] [--max-tokens 64]
+                                 [--requests-per-client 2] [--draft-layers 24 --gamma 2]
+
+Starts the server in-process on the default model, and for each mode and concurrency level runs that
+many streaming clients, each sending its requests one after another (Spec-Bench dev prompts).
+Reports output tokens/s, time to first token and inter-token latency (P50 / P99) as the clients saw
+them, and the server's acceptance counters. Mode `on` asks every request to speculate; the scheduler
+still switches speculation off for batches above the policy's max_batch_size, which shows where it
+stops paying. Writes benchmarks/results/serving.{json,md}."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import dev_prompts  # noqa: E402
+from machine import describe, markdown  # noqa: E402
+
+from selfspec import Engine  # noqa: E402
+from selfspec.server import create_app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def start_server(engine: Engine, max_batch_size: int):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(engine, served_model_name="default", max_batch_size=max_batch_size, max_waiting=256)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    return server, url
+
+
+def one_request(url: str, body: dict) -> dict:
+    start = time.perf_counter()
+    stamps = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - start if stamps else float("nan"), "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "chunks": len(stamps)}
+
+
+def scrape(url: str) -> dict:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, spec: dict | None) -> dict:
+    before = scrape(url)
+
+    def client(i: int) -> list[dict]:
+        results = []
+        for j in range(per_client):
+            body = {
+                "model": "default",
+                "messages": [{"role": "user", "content": prompts[(i * per_client + j) % len(prompts)]}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            if spec is not None:
+                body["speculative"] = spec
+            results.append(one_request(url, body))
+        return results
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client, range(clients)) for r in rs]
+    wall = time.perf_counter() - start
+    after = scrape(url)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    gaps = [g for r in results for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in results]
+    drafted = delta.get("selfspec_spec_decode_num_draft_tokens_total", 0)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "output_tokens_per_second": delta.get("selfspec_generation_tokens_total", 0) / wall,
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "itl_p50_ms": percentile(gaps, 50) * 1e3,
+        "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "draft_tokens": drafted,
+        "acceptance": delta.get("selfspec_spec_decode_num_accepted_tokens_total", 0) / drafted if drafted else None,
+        "wall_seconds": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--draft-layers", type=int, default=24)
+    ap.add_argument("--gamma", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained("default", dtype=args.dtype, kv_cache_tokens=32768)
+    server, url = start_server(engine, max_batch_size=16)
+    prompts = [q["turns"][0] for q in dev_prompts(32) if len(q["turns"][0]) < 1500]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = {
+        "off": {"enabled": False},
+        "on": {"enabled": True, "draft_layers": args.draft_layers, "num_speculative_tokens": args.gamma},
+        "policy": None,
+    }
+    rows = []
+    for clients in levels:  # modes interleaved per level, so drift hits all of them alike
+        for mode, spec in modes.items():
+            r = run_level(url, prompts, clients, args.requests_per_client, args.max_tokens, spec)
+            r["mode"] = mode
+            rows.append(r)
+            acc = "" if r["acceptance"] is None else f" acceptance {r['acceptance']:.2f}"
+            print(
+                f"{mode:6s} x{clients:2d}: {r['output_tokens_per_second']:6.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:6.0f} ms "
+                f"p99 {r['ttft_p99_ms']:6.0f} ms  ITL p50 {r['itl_p50_ms']:5.0f} ms p99 {r['itl_p99_ms']:5.0f} ms{acc}",
+                flush=True,
+            )
+    server.should_exit = True
+    policy = engine.policy
+    result = {
+        "benchmark": "serving",
+        "machine": describe(args.threads),
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests_per_client,
+        "spec_on": modes["on"],
+        "policy": {"profile": bool(policy.profile), "max_batch_size": policy.max_batch_size, "temperature_threshold": policy.temperature_threshold},
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving.json").write_text(json.dumps(result, indent=2))
+    lines = [
+        "# Serving: throughput and latency vs concurrency",
+        "",
+        markdown(result["machine"]),
+        f"Default model, {args.dtype}, greedy, {args.max_tokens} output tokens per request, "
+        f"{args.requests_per_client} requests per client, streaming chat requests. Modes: `off` (no speculation), "
+        f"`on` (every request asks for N={args.draft_layers}, γ={args.gamma}; the scheduler turns speculation off for "
+        f"batches above the policy's max_batch_size={policy.max_batch_size}), `policy` (the default: the shipped "
+        "calibration profile decides). Latencies as the clients saw them.",
+        "",
+        "| clients | mode | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | acceptance |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        lines.append(
+            f"| {r['clients']} | {r['mode']} | {r['output_tokens_per_second']:.1f} | {r['ttft_p50_ms']:.0f} | "
+            f"{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | {acc} |"
+        )
+    (args.out / "serving.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

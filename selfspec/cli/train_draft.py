@@ -1,0 +1,90 @@
+"""`selfspec train-draft`: self-distil draft heads (adapter kinds x exit layers), report held-out
+agreement and expected acceptance, and save the best head."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from .calibrate import int_range, load_questions
+from .common import ArgumentParser, add_model_args, positive_int, run
+
+PROG = "selfspec train-draft"
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog=PROG, description="Train draft exit adapters by self-distillation on CPU.")
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="JSONL with question_id, category, turns (Spec-Bench format)")
+    p.add_argument("--draft-layers", default="6,10,14,18", help="exit layers N to train (default 6,10,14,18)")
+    p.add_argument("--kind", default="affine,mlp", help="adapter kinds: affine, mlp (default both)")
+    p.add_argument("--vocab-subset", type=int, default=8192, help="draft vocabulary size, 0 = all (default 8192)")
+    p.add_argument("--steps", type=positive_int, default=1500)
+    p.add_argument("--batch-size", type=positive_int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--rank", type=positive_int, default=256, help="mlp adapter width (default 256)")
+    p.add_argument("--new-tokens", type=positive_int, default=96, help="response tokens per prompt (default 96)")
+    p.add_argument("--heldout", type=float, default=0.15, help="fraction of prompts held out (default 0.15)")
+    p.add_argument("--max-prompts", type=positive_int, help="use at most this many prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="where to save the best head (.safetensors); <out>.json gets the report")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _body(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from selfspec.draft_head import KINDS
+    from selfspec.loader import load
+    from selfspec.train_draft import TrainConfig, choose_best, train_resumable
+
+    kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
+    for k in kinds:
+        if k not in KINDS:
+            raise ValueError(f"--kind {k!r}: use one of {', '.join(KINDS)}")
+    if not 0 < args.heldout < 1:
+        raise ValueError(f"--heldout {args.heldout}: use a fraction in (0, 1)")
+    if args.vocab_subset < 0:
+        raise ValueError(f"--vocab-subset {args.vocab_subset}: use >= 0")
+    loaded = load(args.model, args.dtype)
+    model, tok = loaded.model, loaded.tokenizer
+    depths = int_range(args.draft_layers)
+    if min(depths) < 1 or max(depths) >= model.num_layers:
+        raise ValueError(f"--draft-layers {args.draft_layers}: this model has {model.num_layers} layers, use 1..{model.num_layers - 1}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    questions = load_questions(args.data, per_category=10**9)[: args.max_prompts]
+    template = lambda q: tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False)  # noqa: E731
+    prompts = [tok(template(q), add_special_tokens=False).input_ids for q in questions]
+    prompts = [p for p in prompts if len(p) + args.new_tokens < model.config.max_position_embeddings]
+    eos = set(model.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    cfg = TrainConfig(
+        draft_layers=depths, kinds=kinds, vocab_subset=args.vocab_subset, rank=args.rank, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, new_tokens=args.new_tokens, heldout_fraction=args.heldout, seed=args.seed,
+    )
+    metadata = {"base_model": args.model, "data": args.data, "training_command": "selfspec train-draft " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else sys.argv[1:])}
+    bar = tqdm(total=len(depths) * len(kinds) * args.steps, desc="training", file=sys.stderr)
+    results = train_resumable(model, prompts, eos, cfg, metadata, Path(f"{args.out}.work"), progress=bar.update, log=lambda m: print(m, file=sys.stderr))
+    bar.close()
+    best, costs = choose_best(model, results)
+    best.head.metadata["choice"] = best.choice
+    best.head.save(args.out)
+    report = {"out": args.out, "best": best.choice, "costs": costs, "results": [r.to_dict() for r in results]}
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        c = best.choice
+        print(
+            f"best: N={best.draft_layers} {best.kind}: held-out alpha@T=0 {best.heldout['acceptance']['0']:.3f}, "
+            f"c={c['c']:.2f}, v={c['verify_cost']:.2f}, predicted {c['predicted_speedup']:.2f}x at gamma={c['gamma']} -> {args.out}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(PROG, build_parser(), argv, _body)

@@ -1,0 +1,317 @@
+"""Self-distillation of draft heads: the model answers the training prompts itself (batched greedy
+decoding), one teacher-forced forward per sequence records the hidden state at every candidate exit
+and the full model's next-token distribution, and an adapter per (exit, kind) learns to match that
+distribution (soft cross-entropy on the teacher's top-k, over the draft's vocabulary subset).
+Held-out prompts measure top-1 agreement and the expected acceptance Σ min(p_T, q_T) at several T."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .batch import generate_batch, prefill
+from .draft_head import Adapter, DraftHead, build
+from .draft_head import load as load_head
+from .speedup import estimate
+from .model import DecoderModel
+from .sampling import SamplingParams
+
+TOP_K = 32  # teacher probabilities kept per position for training
+
+
+@dataclass
+class TrainConfig:
+    draft_layers: list[int]
+    kinds: list[str]
+    vocab_subset: int = 8192  # 0 = the whole vocabulary
+    rank: int = 256
+    steps: int = 1500
+    batch_size: int = 512
+    lr: float = 2e-3
+    new_tokens: int = 96
+    prompt_positions: int = 128  # teacher-forced prompt positions per prompt, besides the response
+    heldout_fraction: float = 0.15
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.3, 0.7])
+    seed: int = 0
+
+
+@dataclass
+class Positions:
+    """Training positions of one split: layer-N hidden states and the teacher's next-token view."""
+
+    hidden: dict[int, torch.Tensor]  # N -> [P, hidden] float32
+    top_ids: torch.Tensor  # [P, TOP_K] teacher's most likely next tokens
+    top_probs: torch.Tensor  # [P, TOP_K] their probabilities (T = 1)
+    final: torch.Tensor | None = None  # [P, hidden] last-layer hidden (held-out split: full teacher at eval)
+
+
+def split_prompts(prompts: list[list[int]], fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    n_held = max(1, int(round(fraction * len(prompts))))
+    return sorted(order[n_held:]), sorted(order[:n_held])
+
+
+@torch.inference_mode()
+def responses(model: DecoderModel, prompts: list[list[int]], new_tokens: int, eos: set[int], batch: int = 16) -> list[list[int]]:
+    """The model's own greedy answers, cut after EOS."""
+    out = []
+    for first in range(0, len(prompts), batch):
+        chunk = prompts[first : first + batch]
+        cache = model.new_cache(sum(len(p) for p in chunk) + len(chunk) * (new_tokens + 32))
+        seqs = [cache.allocate() for _ in chunk]
+        for seq, p in zip(seqs, chunk):
+            prefill(model, cache, seq, p[:-1])
+        outs = generate_batch(model, cache, seqs, [p[-1] for p in chunk], SamplingParams(temperature=0), None, [None] * len(chunk), new_tokens)
+        for o in outs:
+            end = next((i for i, t in enumerate(o) if t in eos), len(o) - 1)
+            out.append(o[: end + 1])
+    return out
+
+
+@torch.inference_mode()
+def collect(model: DecoderModel, sequences: list[tuple[list[int], int]], exits: list[int], keep_final: bool) -> Positions:
+    """sequences: (tokens, first position to keep). One forward each; positions i predict tokens[i + 1]."""
+    hidden = {n: [] for n in exits}
+    ids, probs, finals = [], [], []
+    for tokens, first in sequences:
+        cache = model.new_cache(len(tokens) + 16)
+        seq = cache.allocate()
+        batch = cache.prepare([seq], [len(tokens) - 1])
+        h, done = model.embed(torch.tensor([tokens[:-1]])), 0
+        for n in sorted(exits):
+            h = model.run_layers(h, done, n, batch, cache)
+            hidden[n].append(h[0, first:].float())
+            done = n
+        h = model.run_layers(h, done, model.num_layers, batch, cache)
+        top = torch.softmax(model.logits(h[0, first:]), -1).topk(TOP_K)
+        ids.append(top.indices)
+        probs.append(top.values)
+        if keep_final:
+            finals.append(h[0, first:].float())
+    return Positions(
+        {n: torch.cat(v) for n, v in hidden.items()}, torch.cat(ids), torch.cat(probs), torch.cat(finals) if keep_final else None
+    )
+
+
+def vocabulary_subset(texts: list[list[int]], size: int, vocab_size: int, always: set[int]) -> torch.Tensor | None:
+    """The `size` most frequent tokens of the model's own generations (plus `always`, e.g. EOS),
+    sorted; None for the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = Counter(t for text in texts for t in text)
+    ranked = [t for t, _ in counts.most_common()]
+    chosen = list(dict.fromkeys(list(always) + ranked))[:size]
+    if len(chosen) < size:  # pad with the lowest ids not yet chosen (rarely needed)
+        taken = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in taken][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def train_adapter(
+    model: DecoderModel, n: int, kind: str, data: Positions, vocab: torch.Tensor | None, cfg: TrainConfig, progress=None
+) -> tuple[Adapter, list[float]]:
+    """Soft cross-entropy of the student (adapter -> final norm -> head over the subset) against the
+    teacher's top-k distribution. -> (adapter, loss curve)."""
+    torch.manual_seed(cfg.seed)
+    adapter = Adapter(kind, model.config.hidden_size, cfg.rank)
+    head = (model.head_weight if vocab is None else model.head_weight[vocab]).float()  # [V_sub, hidden]
+    norm = model.norm_weight.float()
+    targets_ids, targets_p = _targets_in_subset(data, vocab, model.config.vocab_size)
+    opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x_all = data.hidden[n]
+    losses = []
+    for step in range(cfg.steps):
+        idx = torch.randint(0, x_all.shape[0], (cfg.batch_size,), generator=gen)
+        x = F.rms_norm(adapter(x_all[idx]), (x_all.shape[-1],), norm, model.config.rms_norm_eps)
+        logq = torch.log_softmax(x @ head.T, -1)  # [B, V_sub]
+        picked = logq.gather(-1, targets_ids[idx])  # [B, K]
+        loss = -(targets_p[idx] * picked).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        if progress:
+            progress(1)
+    return adapter, losses
+
+
+def _targets_in_subset(data: Positions, vocab: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher top-k ids as indices into the subset; probabilities of ids outside it are dropped
+    (the draft can never propose those)."""
+    if vocab is None:
+        return data.top_ids, data.top_probs
+    where = torch.full((vocab_size,), -1, dtype=torch.long)
+    where[vocab] = torch.arange(vocab.numel())
+    mapped = where[data.top_ids]
+    return mapped.clamp(min=0), data.top_probs * (mapped >= 0)
+
+
+@torch.inference_mode()
+def evaluate(model: DecoderModel, head: DraftHead | None, n: int, data: Positions, temperatures: list[float]) -> dict:
+    """Held-out top-1 agreement and expected acceptance per temperature (Σ min(p_T, q_T), where p is
+    the full model's distribution and q the draft's; greedy: argmax agreement)."""
+    out, agree, counts, loss = {}, 0, 0, 0.0
+    sums = {t: 0.0 for t in temperatures}
+    for first in range(0, data.final.shape[0], 1024):
+        final = data.final[first : first + 1024].to(model.dtype)
+        hid = data.hidden[n][first : first + 1024].to(model.dtype)
+        target = model.logits(final)  # [P, vocab]
+        draft = head.logits(hid) if head is not None else model.logits(hid)
+        agree += int((target.argmax(-1) == draft.argmax(-1)).sum())
+        counts += target.shape[0]
+        logq = torch.log_softmax(draft, -1).gather(-1, data.top_ids[first : first + 1024]).clamp_min(-30.0)
+        loss += float(-(data.top_probs[first : first + 1024] * logq).sum())
+        for t in temperatures:
+            if t == 0:
+                sums[t] += float((target.argmax(-1) == draft.argmax(-1)).sum())
+            else:
+                sums[t] += float(torch.minimum(torch.softmax(target / t, -1), torch.softmax(draft / t, -1)).sum())
+    out["top1_agreement"] = agree / counts
+    out["loss"] = loss / counts  # soft cross-entropy against the teacher's top-k (log q floored at -30)
+    out["acceptance"] = {f"{t:g}": sums[t] / counts for t in temperatures}
+    out["positions"] = counts
+    return out
+
+
+@dataclass
+class TrainResult:
+    draft_layers: int
+    kind: str
+    heldout: dict
+    baseline: dict  # the same head untrained (identity adapter, same vocabulary subset)
+    plain_exit: dict  # the plain early exit (full vocabulary), for reference
+    final_loss: float
+    choice: dict = field(default_factory=dict)  # set by choose_best: γ, c, v, predicted speedup
+    head: DraftHead | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "head"}
+
+
+def prepare_data(model: DecoderModel, prompts: list[list[int]], eos: set[int], cfg: TrainConfig, log=print) -> dict:
+    """Responses, teacher-forced positions of both splits, and the vocabulary subset."""
+    train_idx, held_idx = split_prompts(prompts, cfg.heldout_fraction, cfg.seed)
+    log(f"generating the model's own responses to {len(prompts)} prompts ({cfg.new_tokens} tokens each)")
+    answers = responses(model, prompts, cfg.new_tokens, eos)
+    train_seqs = [(prompts[i] + answers[i], max(0, len(prompts[i]) - 1 - cfg.prompt_positions)) for i in train_idx]
+    held_seqs = [(prompts[i] + answers[i], len(prompts[i]) - 1) for i in held_idx]  # responses only
+    log(f"teacher-forced positions: {len(train_idx)} training and {len(held_idx)} held-out prompts")
+    return {
+        "train": collect(model, train_seqs, cfg.draft_layers, keep_final=False),
+        "held": collect(model, held_seqs, cfg.draft_layers, keep_final=True),
+        "vocab": vocabulary_subset([answers[i] for i in train_idx], cfg.vocab_subset, model.config.vocab_size, eos),
+        "train_prompts": len(train_idx),
+        "held_prompts": len(held_idx),
+    }
+
+
+def train_one(model: DecoderModel, n: int, kind: str, data: dict, cfg: TrainConfig, metadata: dict, progress=None) -> TrainResult:
+    vocab = data["vocab"]
+    adapter, losses = train_adapter(model, n, kind, data["train"], vocab, cfg, progress)
+    meta = dict(
+        metadata,
+        train_prompts=data["train_prompts"],
+        heldout_prompts=data["held_prompts"],
+        train_positions=int(data["train"].top_ids.shape[0]),
+        vocab_subset=0 if vocab is None else int(vocab.numel()),
+        config=asdict(cfg),
+    )
+    head = build(model, n, adapter, vocab, meta)
+    held = evaluate(model, head, n, data["held"], cfg.temperatures)
+    head.metadata["heldout"] = held
+    untrained = build(model, n, Adapter(kind, model.config.hidden_size, cfg.rank), vocab)  # identity, same subset
+    return TrainResult(
+        n, kind, held, evaluate(model, untrained, n, data["held"], cfg.temperatures),
+        evaluate(model, None, n, data["held"], cfg.temperatures), losses[-1], head=head,
+    )
+
+
+def train_resumable(model, prompts, eos, cfg: TrainConfig, metadata: dict, work: Path, progress=None, log=print) -> list[TrainResult]:
+    """prepare_data + train_one for every (N, kind), keeping each finished piece in `work` so that an
+    interrupted run picks up where it stopped."""
+    work.mkdir(parents=True, exist_ok=True)
+    data_file = work / "data.pt"
+    if data_file.exists():
+        stored = torch.load(data_file, weights_only=True)
+        data = {**stored, "train": Positions(**stored["train"]), "held": Positions(**stored["held"])}
+        log(f"reusing the teacher-forced data in {data_file}")
+    else:
+        data = prepare_data(model, prompts, eos, cfg, log)
+        torch.save({**data, "train": asdict(data["train"]), "held": asdict(data["held"])}, data_file)
+    results = []
+    for n in cfg.draft_layers:
+        for kind in cfg.kinds:
+            head_file, report = work / f"N{n}-{kind}.safetensors", work / f"N{n}-{kind}.json"
+            if head_file.exists() and report.exists():
+                r = TrainResult(**json.loads(report.read_text()))
+                r.head = load_head(head_file, model)
+                if progress:
+                    progress(cfg.steps)
+            else:
+                r = train_one(model, n, kind, data, cfg, metadata, progress)
+                r.head.save(head_file)
+                report.write_text(json.dumps(r.to_dict()))
+            results.append(r)
+            log(
+                f"N={n:2d} {kind:6s}: held-out top-1 {r.heldout['top1_agreement']:.3f} (plain exit "
+                f"{r.plain_exit['top1_agreement']:.3f}); expected acceptance "
+                + ", ".join(f"T={t}: {a:.3f}" for t, a in r.heldout["acceptance"].items())
+                + f"; held-out loss {r.baseline['loss']:.3f} -> {r.heldout['loss']:.3f}"
+            )
+    return results
+
+
+@torch.inference_mode()
+def choose_best(model: DecoderModel, results: list[TrainResult], gammas=range(1, 7), repeats: int = 7) -> tuple[TrainResult, dict]:
+    """Times a draft step with each head and verification per (N, γ), then picks the (head, γ) with
+    the best predicted speedup E(α, γ) / (γc + v) from its held-out greedy acceptance."""
+    from .calibration import time_costs
+
+    context = list(range(100, 228))
+    cache = model.new_cache(len(context) + 64)
+    depths = sorted({r.draft_layers for r in results})
+    full, _, v = time_costs(model, cache, context, depths, list(gammas), repeats)
+    costs = {"full_step_seconds": full, "verify_cost": v, "draft_cost": {}}
+    best, best_speed = None, -1.0
+    for r in results:
+        c = _time_draft_step(model, cache, context, r) / full
+        costs["draft_cost"][f"{r.draft_layers}-{r.kind}"] = c
+        alpha = r.heldout["acceptance"]["0"]
+        for g in gammas:
+            speed = estimate(alpha, g, c, v[str(r.draft_layers)][str(g)]).speedup
+            if speed > best_speed:
+                best, best_speed = r, speed
+                r.choice = {"gamma": g, "c": c, "verify_cost": v[str(r.draft_layers)][str(g)], "alpha": alpha, "predicted_speedup": speed}
+    return best, costs
+
+
+def _time_draft_step(model: DecoderModel, cache, context: list[int], r: TrainResult, repeats: int = 7) -> float:
+    import statistics
+    import time
+
+    seq = cache.allocate()
+    try:
+        batch = cache.prepare([seq], [len(context)])
+        model.run_layers(model.embed(torch.tensor([context])), 0, model.num_layers, batch, cache)
+        samples = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            b = cache.prepare([seq], [1])
+            h = model.run_layers(model.embed(torch.tensor([[7]])), 0, r.draft_layers, b, cache)
+            r.head.logits(h[:, -1]).argmax(-1)
+            samples.append(time.perf_counter() - start)
+            cache.truncate(seq, len(context))
+        return statistics.median(samples[1:])
+    finally:
+        cache.free(seq)
