@@ -40,6 +40,7 @@ class AcceptanceRecord:
     temperature: float
     accept: dict[str, list[float]]  # N -> per position: 1/0 agreement (T = 0) or β = Σ min(p, q) (T > 0)
     top_prob: dict[str, list[float]] = field(default_factory=dict)  # N -> the draft's top probability
+    plain_exit: dict[str, list[float]] = field(default_factory=dict)  # N with a draft head -> acceptance without it
 
     @property
     def length_bucket(self) -> str:
@@ -54,34 +55,48 @@ def teacher_forced_acceptance(
     continuation: list[int],
     draft_layers: list[int],
     temperature: float,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """-> (acceptance per position, draft top probability per position), each keyed by N."""
+    heads: dict | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
+    """-> (acceptance per position, draft top probability per position, acceptance of the plain exit
+    where `heads` has a draft head for N), each keyed by N. With a head, N's acceptance is the head's."""
+    heads = heads or {}
     seq = cache.allocate()
     tokens = prompt + continuation
+    first = len(prompt) - 1  # positions from here predict the continuation
+    drafts = {}
     try:
         batch = cache.prepare([seq], [len(tokens) - 1])
         h = model.embed(torch.tensor([tokens[:-1]]))
-        exits, done = {}, 0
+        done = 0
         for n in sorted(draft_layers):
             h = model.run_layers(h, done, n, batch, cache)
-            exits[n], done = h[0, len(prompt) - 1 :], n  # positions predicting the continuation
+            drafts[n] = model.logits(h[0, first:])  # [n, vocab]
+            if n in heads:  # the head reads the cache as it stands after this forward (attn: layer N-1)
+                if heads[n].kind == "attn":
+                    draft = heads[n].logits(h, heads[n].context(batch, cache))[0, first:]
+                else:
+                    draft = heads[n].logits(h[0, first:])
+                drafts[n], drafts[-n] = draft, drafts[n]
+            done = n
         h = model.run_layers(h, done, model.num_layers, batch, cache)
-        target = model.logits(h[0, len(prompt) - 1 :])  # [n, vocab]
+        target = model.logits(h[0, first:])  # [n, vocab]
     finally:
         cache.free(seq)
-    accept, top = {}, {}
+    accept, top, plain = {}, {}, {}
     t = temperature if temperature > 0 else 1.0
     p = torch.softmax(target / t, -1)
-    for n, hn in exits.items():
-        draft = model.logits(hn)  # [n, vocab]
+    for n, draft in drafts.items():
         q = torch.softmax(draft / t, -1)
         if temperature == 0:
             a = (draft.argmax(-1) == target.argmax(-1)).float()
         else:
             a = torch.minimum(p, q).sum(-1)
-        accept[str(n)] = a.tolist()
-        top[str(n)] = q.max(-1).values.tolist()
-    return accept, top
+        if n < 0:
+            plain[str(-n)] = a.tolist()
+        else:
+            accept[str(n)] = a.tolist()
+            top[str(n)] = q.max(-1).values.tolist()
+    return accept, top, plain
 
 
 def tokens_per_round(accept: list[float], gamma: int) -> float:
@@ -94,10 +109,11 @@ def tokens_per_round(accept: list[float], gamma: int) -> float:
 
 @torch.inference_mode()
 def time_costs(
-    model: DecoderModel, cache: PagedKVCache, context: list[int], draft_layers: list[int], gammas: list[int], repeats: int = 7
+    model: DecoderModel, cache: PagedKVCache, context: list[int], draft_layers: list[int], gammas: list[int], repeats: int = 7,
+    heads: dict | None = None,
 ) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
-    + head + argmax); a verification per (N, γ) (the last draft's pass through [0, N), then layers
+    + head + argmax; a trained draft head where `heads` has one); a verification per (N, γ) (the last draft's pass through [0, N), then layers
     [N, L) over γ + 1 tokens, head and argmax). -> (full step seconds, c per N, v per N per γ)."""
     seq = cache.allocate()
     try:
@@ -117,6 +133,8 @@ def time_costs(
         def forward(tokens: int, start: int, end: int, head: bool) -> torch.Tensor:
             b = cache.prepare([seq], [tokens])
             h = model.run_layers(model.embed(torch.full((1, tokens), 17)), start, end, b, cache)
+            if head and end in (heads or {}):
+                return heads[end].draft(h, b, cache).argmax(-1)
             return model.logits(h).argmax(-1) if head else h
 
         def verify(n: int, gamma: int) -> None:
@@ -223,7 +241,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     costs = done.pop("__costs__", None)
     if costs is None:
         context = encoded[str(questions[0]["question_id"])]
-        full, c, v = time_costs(model, cache, context, plan.draft_layers, plan.gammas)
+        full, c, v = time_costs(model, cache, context, plan.draft_layers, plan.gammas, heads=engine.draft_heads)
         costs = {"full_step_seconds": full, "c": c, "v": v}
         _append_partial(partial_path, {"__costs__": costs})
     c, v = costs["c"], costs["v"]
@@ -240,8 +258,8 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
             prompts = [encoded[str(q["question_id"])] for q in chunk]
             conts = _continuations(engine, cache, prompts, t, plan)
             for q, prompt, cont in zip(chunk, prompts, conts):
-                accept, top = teacher_forced_acceptance(model, cache, prompt, cont, plan.draft_layers, t)
-                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top)
+                accept, top, plain = teacher_forced_acceptance(model, cache, prompt, cont, plan.draft_layers, t, engine.draft_heads)
+                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top, plain)
                 records.append(rec)
                 _append_partial(partial_path, {_key(q, t): rec.__dict__})
                 if bar:
@@ -252,7 +270,26 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     validation = _validate(engine, questions, estimates, plan)
     profile = _profile(engine, plan, costs, records, estimates, validation)
     profile.skipped_prompts = [str(q["question_id"]) for q in skipped]
+    profile.draft_heads = _head_summary(engine.draft_heads, records, plan)
     return profile, records, estimates
+
+
+def _head_summary(heads: dict, records: list[AcceptanceRecord], plan: CalibrationPlan) -> dict:
+    """Per depth with a draft head: its kind and the acceptance with and without it, per temperature."""
+    out = {}
+    for n, head in heads.items():
+        if n not in plan.draft_layers:
+            continue
+        rows = {}
+        for t in plan.temperatures:
+            recs = [r for r in records if r.temperature == t and str(n) in r.plain_exit]
+            total = sum(len(r.accept[str(n)]) for r in recs) or 1
+            rows[f"{t:g}"] = {
+                "alpha_with_head": sum(sum(r.accept[str(n)]) for r in recs) / total,
+                "alpha_plain_exit": sum(sum(r.plain_exit[str(n)]) for r in recs) / total,
+            }
+        out[str(n)] = {"kind": head.kind, "vocab_subset": 0 if head.vocab is None else int(head.vocab.numel()), "acceptance": rows}
+    return out
 
 
 def _key(q: dict, t: float) -> str:
@@ -351,7 +388,7 @@ def _profile(engine, plan, costs, records, estimates, validation):
         fingerprint=engine.model.fingerprint,
         num_layers=engine.model.num_layers,
         dtype=str(engine.model.dtype).replace("torch.", ""),
-        machine=_machine(),
+        machine=machine_info(),
         temperatures=list(plan.temperatures),
         draft_layers=list(plan.draft_layers),
         draft_cost=costs["c"],
@@ -376,5 +413,5 @@ def knee(alpha: dict[str, float]) -> int:
     return max(depths, key=lambda n: abs(chord(n) - alpha[str(n)]))
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
     return {"platform": platform.platform(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}

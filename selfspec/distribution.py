@@ -108,14 +108,16 @@ def compare(
     new_tokens: int,
     seed: int = 0,
     chunk: int = 128,
+    draft_logits=None,
 ) -> DistributionReport:
+    """`draft_logits`: a draft head's `draft` (the speculative arm drafts with it)."""
     from scipy import stats
 
     # A cache of its own: `chunk` forks of the prompt, each with room for a round's overshoot.
     block = 16
     cache = model.new_cache(len(prompt) + chunk * (new_tokens + spec.num_speculative_tokens + 2 + 2 * block), block)
     plain = sample_continuations(model, cache, prompt, params, None, samples, new_tokens, seed, chunk)
-    specd = sample_continuations(model, cache, prompt, params, spec, samples, new_tokens, seed + 10**6, chunk)
+    specd = sample_continuations(model, cache, prompt, params, spec, samples, new_tokens, seed + 10**6, chunk, draft_logits)
     ll_plain = sequence_logliks(model, cache, prompt, plain, params, chunk)
     ll_spec = sequence_logliks(model, cache, prompt, specd, params, chunk)
     ks = stats.ks_2samp(ll_plain.numpy(), ll_spec.numpy())

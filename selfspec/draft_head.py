@@ -3,7 +3,10 @@ self-distillation, optionally scoring only a frequency-ranked subset of the voca
 outside the subset, which keeps rejection sampling exact: an adapter changes speed, never output.
 
 Kinds: `affine` (h + W h + b, tuned-lens style), `mlp` (h + up(silu(down(h))), a low-rank residual
-block). Files are safetensors with metadata naming the base model's fingerprint, the exit layer, the
+block), `attn` (one attention block, Kangaroo-style, followed by the affine map). The attention block
+has its own query and output projections but reads the keys and values that layer N-1 already wrote
+into the shared paged cache: no second cache to fill, and rollback is the cache's own length edit.
+Files are safetensors with metadata naming the base model's fingerprint, the exit layer, the
 kind, the vocabulary subset and how the head was trained; loading against another model fails."""
 
 from __future__ import annotations
@@ -16,35 +19,68 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import AttentionBatch, gather_kv
 from .errors import SelfspecError
+from .kv_cache import PagedKVCache
 from .model import DecoderModel, linear
 
-KINDS = ("affine", "mlp")
+KINDS = ("affine", "mlp", "attn")
 DRAFT_DIR = Path(__file__).resolve().parent / "drafts"
+
+
+@dataclass
+class AttnContext:
+    """What the `attn` adapter's queries read: layer N-1's keys/values and the queries' rotations."""
+
+    k: torch.Tensor  # [B, kv_heads, T, head_dim] rotated keys, in position order
+    v: torch.Tensor  # [B, kv_heads, T, head_dim]
+    cos: torch.Tensor  # [B, S, 1, head_dim] at the query positions
+    sin: torch.Tensor  # [B, S, 1, head_dim] (signed, see rope.apply_rope_)
+    mask: torch.Tensor | None  # [B, 1, S, T] bool (True = attend), None = attend to all
 
 
 class Adapter(nn.Module):
     """Maps layer-N hidden states [..., hidden] to hidden states the final norm + head should see.
     Initialized to the identity, so an untrained adapter is the plain early exit."""
 
-    def __init__(self, kind: str, hidden: int, rank: int = 256) -> None:
+    def __init__(self, kind: str, hidden: int, rank: int = 256, heads: int = 0, head_dim: int = 0) -> None:
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} is invalid: use one of {', '.join(KINDS)}")
-        self.kind, self.rank = kind, rank
-        if kind == "affine":
+        self.kind, self.rank, self.heads, self.head_dim = kind, rank, heads, head_dim
+        if kind in ("affine", "attn"):
             self.proj = nn.Linear(hidden, hidden)
             nn.init.zeros_(self.proj.weight)
             nn.init.zeros_(self.proj.bias)
-        else:
+        if kind == "mlp":
             self.down = nn.Linear(hidden, rank, bias=False)
             self.up = nn.Linear(rank, hidden, bias=False)
             nn.init.zeros_(self.up.weight)
+        if kind == "attn":
+            if heads < 1 or head_dim < 1:
+                raise ValueError("an attn adapter needs the model's heads and head_dim")
+            self.attn_norm = nn.Parameter(torch.ones(hidden))
+            self.wq = nn.Linear(hidden, heads * head_dim, bias=False)
+            self.wo = nn.Linear(heads * head_dim, hidden, bias=False)
+            nn.init.zeros_(self.wo.weight)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.kind == "affine":
-            return h + self.proj(h)
-        return h + self.up(F.silu(self.down(h)))
+    def forward(self, h: torch.Tensor, context: AttnContext | None = None) -> torch.Tensor:
+        """h [B, S, hidden] (or [..., hidden] for kinds without attention) -> same shape."""
+        if self.kind == "mlp":
+            return h + self.up(F.silu(self.down(h)))
+        if self.kind == "attn":
+            if context is None:
+                raise SelfspecError("an attn draft head needs the cache context (use DraftHead.draft)")
+            h = h + self._attend(h, context)
+        return h + self.proj(h)
+
+    def _attend(self, h: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        b, s, hidden = h.shape
+        x = F.rms_norm(h, (hidden,), self.attn_norm, 1e-5)
+        q = self.wq(x).view(b, s, self.heads, self.head_dim)  # [B, S, heads, head_dim]
+        q = q * ctx.cos + torch.roll(q, self.head_dim // 2, dims=-1) * ctx.sin  # RoPE at the query positions
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), ctx.k, ctx.v, attn_mask=ctx.mask, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))  # [B, S, hidden]
 
 
 @dataclass
@@ -57,15 +93,27 @@ class DraftHead:
     eps: float
     vocab_size: int
     metadata: dict = field(default_factory=dict)
+    model: DecoderModel | None = None  # for the attn kind: its RoPE table and layer N-1's window
 
     @property
     def kind(self) -> str:
         return self.adapter.kind
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def draft(self, h: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
+        """The drafting call: hidden [B, S, hidden] at layer N of a pass described by `batch` ->
+        draft logits [B, vocab] of each row's last position."""
+        return self.logits(h, self.context(batch, cache) if self.kind == "attn" else None)[:, -1]
+
+    def context(self, batch: AttentionBatch, cache: PagedKVCache) -> AttnContext:
+        k, v = gather_kv(cache.layers[self.draft_layers - 1], batch)  # each [B, kv_heads, T, head_dim]
+        cos, sin = self.model.rope.lookup(batch.positions)
+        return AttnContext(k, v, cos, sin, batch.mask(self.model.config.sliding_windows[self.draft_layers - 1]))
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor, context: AttnContext | None = None) -> torch.Tensor:
         """hidden [..., hidden] at layer N -> draft logits [..., vocab] float32 (-inf outside the subset)."""
-        x = self.adapter(h)
+        x = self.adapter(h, context)
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         sub = linear(x, self.head).float()  # [..., V_sub]
         if self.vocab is None:
@@ -92,7 +140,13 @@ def build(model: DecoderModel, draft_layers: int, adapter: Adapter, vocab: torch
     for p in adapter.parameters():
         p.requires_grad_(False)
     meta = dict(metadata or {}, base_fingerprint=model.fingerprint)
-    return DraftHead(draft_layers, adapter, vocab, head, model.norm_weight, model.config.rms_norm_eps, model.config.vocab_size, meta)
+    c = model.config
+    return DraftHead(draft_layers, adapter, vocab, head, model.norm_weight, c.rms_norm_eps, c.vocab_size, meta, model)
+
+
+def new_adapter(model: DecoderModel, kind: str, rank: int = 256) -> Adapter:
+    c = model.config
+    return Adapter(kind, c.hidden_size, rank, c.num_heads, c.head_dim)
 
 
 def load(path: str | Path, model: DecoderModel) -> DraftHead:
@@ -109,7 +163,7 @@ def load(path: str | Path, model: DecoderModel) -> DraftHead:
             f"draft head {path} was trained for model {meta.get('base_model', '?')!r} (fingerprint "
             f"{meta.get('base_fingerprint')}), not this one ({model.fingerprint}): train one with selfspec train-draft"
         )
-    adapter = Adapter(meta["kind"], model.config.hidden_size, meta.get("rank", 256))
+    adapter = new_adapter(model, meta["kind"], meta.get("rank", 256))
     adapter.load_state_dict({k[len("adapter."):]: v for k, v in tensors.items() if k.startswith("adapter.")})
     return build(model, int(meta["draft_layers"]), adapter, tensors.get("vocab"), meta)
 

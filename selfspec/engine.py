@@ -392,7 +392,7 @@ class Engine:
             threshold = max(r.confidence_threshold for r in reqs)
             head = self.draft_heads.get(depth)
             result = speculative_round(
-                self.model, self.cache, seqs, last, spec, params, gens, threshold, gammas, head.logits if head else None
+                self.model, self.cache, seqs, last, spec, params, gens, threshold, gammas, head.draft if head else None
             )
         elapsed = time.perf_counter() - start
         for row, (req, slot) in enumerate(zip(reqs, slots)):

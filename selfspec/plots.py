@@ -66,6 +66,29 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
     return paths
 
 
+def write_train_draft_plot(report: dict, path: str | Path) -> Path:
+    """Held-out greedy acceptance vs exit layer per adapter kind (the plain exit beside), and each
+    head's draft cost c and best predicted speedup."""
+    plt = _pyplot()
+    results = report["results"]
+    kinds = sorted({r["kind"] for r in results})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    plain = sorted({(r["draft_layers"], r["plain_exit"]["top1_agreement"]) for r in results})
+    ax1.plot([n for n, _ in plain], [a for _, a in plain], "k--", marker="x", label="plain exit")
+    for kind in kinds:
+        rows = sorted((r["draft_layers"], r) for r in results if r["kind"] == kind)
+        ns = [n for n, _ in rows]
+        ax1.plot(ns, [r["heldout"]["acceptance"]["0"] for _, r in rows], marker="o", label=kind)
+        ax2.plot(ns, [r["choice"]["predicted_speedup"] for _, r in rows], marker="o", label=f"{kind}: speedup")
+        ax2.plot(ns, [r["choice"]["c"] for _, r in rows], marker=".", linestyle=":", label=f"{kind}: c")
+    ax1.set(xlabel="exit layer N", ylabel="held-out acceptance (T=0)", title="Draft exits: trained vs plain")
+    ax2.axhline(1.0, color="grey", linewidth=0.8)
+    ax2.set(xlabel="exit layer N", title="Draft cost c and best predicted speedup (over γ)")
+    ax1.legend()
+    ax2.legend(fontsize=7)
+    return _save(fig, Path(path))
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -63,6 +63,7 @@ class Profile:
     confidence_threshold: float = 0.0  # adaptive draft stop: end a draft when its top probability falls below
     validation: list[dict] = field(default_factory=list)  # end-to-end measurements behind the choices
     skipped_prompts: list[str] = field(default_factory=list)  # longer than the model's context allows
+    draft_heads: dict = field(default_factory=dict)  # N -> the draft head calibrated there, α with and without it
     version: int = PROFILE_VERSION
 
     def to_json(self) -> str:

@@ -161,7 +161,7 @@ def create_app(engine: Engine, *, served_model_name: str | None = None, max_batc
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {name!r}", "model", "model_not_found")
         if body.n not in (None, 1):
             raise ApiError(400, f"n={body.n} is not supported: use n=1", "n")
-        max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
+        max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
         try:
             return SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,

@@ -13,12 +13,16 @@ from typing import Callable
 import torch
 
 from .acceptance import AcceptanceResult, greedy_accept, rejection_sample
+from .attention import AttentionBatch
 from .errors import SelfspecError
 from .kv_cache import PagedKVCache, SequenceKV
 from .model import DecoderModel
 from .sampling import SamplingParams, process_rows, sample_rows
 
 MAX_SPECULATIVE_TOKENS = 32
+
+# Draft logits from layer-N hidden states [A, 1, hidden] of a pass (its batch, the cache) -> [A, vocab].
+DraftLogits = Callable[[torch.Tensor, AttentionBatch, PagedKVCache], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,14 @@ def speculative_round(
     generators: list[torch.Generator | None],
     confidence_threshold: float = 0.0,
     gammas: list[int] | None = None,
-    draft_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    draft_logits: DraftLogits | None = None,
 ) -> RoundResult:
     """`gammas` caps each row's drafts (default γ for all; 0 makes the row a plain step that shares
     the round's passes). `confidence_threshold` > 0 ends a row's draft once its top probability falls
     below it (the adaptive draft stop); the round verifies the drafts each row has. `draft_logits`
-    maps layer-N hidden states to draft logits (a trained draft head); default: final norm + LM head."""
-    draft_logits = draft_logits or model.logits
+    maps layer-N hidden states to draft logits (a trained draft head's `draft`); default: final norm +
+    LM head."""
+    draft_logits = draft_logits or (lambda h, batch, cache: model.logits(h[:, -1]))
     n, rows = spec.draft_layers, len(seqs)
     caps = list(gammas) if gammas is not None else [spec.num_speculative_tokens] * rows
     p0 = [s.length for s in seqs]
@@ -100,8 +105,9 @@ def speculative_round(
     active = [b for b in range(rows) if caps[b] > 0]
     while active:
         x = torch.tensor([[inputs[b][-1]] for b in active])  # [A, 1]
-        h = _run(model, cache, [seqs[b] for b in active], model.embed(x), 0, n)  # [A, 1, hidden] at layer N
-        logits = draft_logits(h[:, -1])  # [A, vocab]
+        batch = cache.prepare([seqs[b] for b in active], [1] * len(active))
+        h = model.run_layers(model.embed(x), 0, n, batch, cache)  # [A, 1, hidden] at layer N
+        logits = draft_logits(h, batch, cache)  # [A, vocab]
         ids, q = sample_rows(logits, [params[b] for b in active], [generators[b] for b in active])
         top = _top_prob(logits, q) if confidence_threshold > 0 else None
         still = []

@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .attention import gather_kv
 from .batch import generate_batch, prefill
-from .draft_head import Adapter, DraftHead, build
+from .draft_head import Adapter, AttnContext, DraftHead, build, new_adapter
 from .draft_head import load as load_head
-from .speedup import estimate
+from .errors import SelfspecError
 from .model import DecoderModel
 from .sampling import SamplingParams
+from .speedup import estimate
 
 TOP_K = 32  # teacher probabilities kept per position for training
 
@@ -50,6 +52,8 @@ class Positions:
     top_ids: torch.Tensor  # [P, TOP_K] teacher's most likely next tokens
     top_probs: torch.Tensor  # [P, TOP_K] their probabilities (T = 1)
     final: torch.Tensor | None = None  # [P, hidden] last-layer hidden (held-out split: full teacher at eval)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # per sequence: first row, rows, first position
+    kv: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # N -> per sequence [2, kv_heads, T, head_dim] of layer N-1 (attn kind)
 
 
 def split_prompts(prompts: list[list[int]], fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -77,18 +81,24 @@ def responses(model: DecoderModel, prompts: list[list[int]], new_tokens: int, eo
 
 
 @torch.inference_mode()
-def collect(model: DecoderModel, sequences: list[tuple[list[int], int]], exits: list[int], keep_final: bool) -> Positions:
-    """sequences: (tokens, first position to keep). One forward each; positions i predict tokens[i + 1]."""
+def collect(model: DecoderModel, sequences: list[tuple[list[int], int]], exits: list[int], keep_final: bool, kv: bool = False) -> Positions:
+    """sequences: (tokens, first position to keep). One forward each; positions i predict tokens[i + 1].
+    kv: also keep layer N-1's keys/values of every position (what an attn adapter reads)."""
     hidden = {n: [] for n in exits}
-    ids, probs, finals = [], [], []
+    keys: dict[int, list[torch.Tensor]] = {n: [] for n in exits} if kv else {}
+    ids, probs, finals, spans, rows = [], [], [], [], 0
     for tokens, first in sequences:
         cache = model.new_cache(len(tokens) + 16)
         seq = cache.allocate()
         batch = cache.prepare([seq], [len(tokens) - 1])
         h, done = model.embed(torch.tensor([tokens[:-1]])), 0
+        spans.append((rows, len(tokens) - 1 - first, first))
+        rows += len(tokens) - 1 - first
         for n in sorted(exits):
             h = model.run_layers(h, done, n, batch, cache)
             hidden[n].append(h[0, first:].float())
+            if kv:
+                keys[n].append(gather_kv(cache.layers[n - 1], batch)[:, 0].float().clone())  # [2, kv_heads, T, head_dim]
             done = n
         h = model.run_layers(h, done, model.num_layers, batch, cache)
         top = torch.softmax(model.logits(h[0, first:]), -1).topk(TOP_K)
@@ -97,8 +107,23 @@ def collect(model: DecoderModel, sequences: list[tuple[list[int], int]], exits: 
         if keep_final:
             finals.append(h[0, first:].float())
     return Positions(
-        {n: torch.cat(v) for n, v in hidden.items()}, torch.cat(ids), torch.cat(probs), torch.cat(finals) if keep_final else None
+        {n: torch.cat(v) for n, v in hidden.items()}, torch.cat(ids), torch.cat(probs), torch.cat(finals) if keep_final else None, spans, keys
     )
+
+
+def attn_context(model: DecoderModel, data: Positions, n: int, j: int, dtype: torch.dtype) -> AttnContext:
+    """The attn adapter's view for sequence j of `data`: its kept positions read layer N-1's keys up to
+    themselves."""
+    _, count, first = data.spans[j]
+    # clones: tensors made under inference_mode (the cache, the RoPE table) cannot enter autograd
+    k, v = data.kv[n][j].to(dtype).clone()[:, None]  # each [1, kv_heads, T, head_dim]
+    positions = torch.arange(first, first + count)[None]  # [1, S]
+    cos, sin = (t.to(dtype).clone() for t in model.rope.lookup(positions))
+    mask = torch.arange(k.shape[2])[None, None, None, :] <= positions[:, None, :, None]  # [1, 1, S, T]
+    window = model.config.sliding_windows[n - 1]
+    if window is not None:
+        mask &= torch.arange(k.shape[2])[None, None, None, :] > positions[:, None, :, None] - window
+    return AttnContext(k, v, cos, sin, mask)
 
 
 def vocabulary_subset(texts: list[list[int]], size: int, vocab_size: int, always: set[int]) -> torch.Tensor | None:
@@ -121,7 +146,9 @@ def train_adapter(
     """Soft cross-entropy of the student (adapter -> final norm -> head over the subset) against the
     teacher's top-k distribution. -> (adapter, loss curve)."""
     torch.manual_seed(cfg.seed)
-    adapter = Adapter(kind, model.config.hidden_size, cfg.rank)
+    adapter = new_adapter(model, kind, cfg.rank)
+    if kind == "attn":
+        _init_attention(adapter, model, n)
     head = (model.head_weight if vocab is None else model.head_weight[vocab]).float()  # [V_sub, hidden]
     norm = model.norm_weight.float()
     targets_ids, targets_p = _targets_in_subset(data, vocab, model.config.vocab_size)
@@ -131,8 +158,12 @@ def train_adapter(
     x_all = data.hidden[n]
     losses = []
     for step in range(cfg.steps):
-        idx = torch.randint(0, x_all.shape[0], (cfg.batch_size,), generator=gen)
-        x = F.rms_norm(adapter(x_all[idx]), (x_all.shape[-1],), norm, model.config.rms_norm_eps)
+        if kind == "attn":  # whole sequences (each query needs its prefix), about batch_size rows
+            idx, adapted = _attn_batch(model, adapter, data, n, cfg.batch_size, gen)
+        else:
+            idx = torch.randint(0, x_all.shape[0], (cfg.batch_size,), generator=gen)
+            adapted = adapter(x_all[idx])
+        x = F.rms_norm(adapted, (x_all.shape[-1],), norm, model.config.rms_norm_eps)
         logq = torch.log_softmax(x @ head.T, -1)  # [B, V_sub]
         picked = logq.gather(-1, targets_ids[idx])  # [B, K]
         loss = -(targets_p[idx] * picked).sum(-1).mean()
@@ -140,10 +171,33 @@ def train_adapter(
         loss.backward()
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.detach().item())
         if progress:
             progress(1)
     return adapter, losses
+
+
+def _init_attention(adapter: Adapter, model: DecoderModel, n: int) -> None:
+    """Start the queries as layer N-1's own (its norm and q projection): they already match its keys."""
+    c, w = model.config, model.layers[n - 1]
+    with torch.no_grad():
+        adapter.attn_norm.copy_(w.attn_norm.float())
+        adapter.wq.weight.copy_(w.wqkv[: c.num_heads * c.head_dim].float())
+
+
+def _attn_batch(model, adapter: Adapter, data: Positions, n: int, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random sequences until about `rows` rows -> (row indices [R], adapted hidden [R, hidden])."""
+    idx, out, total = [], [], 0
+    while total < rows:
+        j = int(torch.randint(0, len(data.spans), (1,), generator=gen))
+        start, count, _ = data.spans[j]
+        if count == 0:
+            continue
+        h = data.hidden[n][start : start + count][None]  # [1, S, hidden]
+        out.append(adapter(h, attn_context(model, data, n, j, torch.float32))[0])
+        idx.append(torch.arange(start, start + count))
+        total += count
+    return torch.cat(idx), torch.cat(out)
 
 
 def _targets_in_subset(data: Positions, vocab: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,15 +217,12 @@ def evaluate(model: DecoderModel, head: DraftHead | None, n: int, data: Position
     the full model's distribution and q the draft's; greedy: argmax agreement)."""
     out, agree, counts, loss = {}, 0, 0, 0.0
     sums = {t: 0.0 for t in temperatures}
-    for first in range(0, data.final.shape[0], 1024):
-        final = data.final[first : first + 1024].to(model.dtype)
-        hid = data.hidden[n][first : first + 1024].to(model.dtype)
-        target = model.logits(final)  # [P, vocab]
-        draft = head.logits(hid) if head is not None else model.logits(hid)
+    for first, rows, draft in _draft_chunks(model, head, n, data):
+        target = model.logits(data.final[first : first + rows].to(model.dtype))  # [P, vocab]
         agree += int((target.argmax(-1) == draft.argmax(-1)).sum())
-        counts += target.shape[0]
-        logq = torch.log_softmax(draft, -1).gather(-1, data.top_ids[first : first + 1024]).clamp_min(-30.0)
-        loss += float(-(data.top_probs[first : first + 1024] * logq).sum())
+        counts += rows
+        logq = torch.log_softmax(draft, -1).gather(-1, data.top_ids[first : first + rows]).clamp_min(-30.0)
+        loss += float(-(data.top_probs[first : first + rows] * logq).sum())
         for t in temperatures:
             if t == 0:
                 sums[t] += float((target.argmax(-1) == draft.argmax(-1)).sum())
@@ -184,6 +235,20 @@ def evaluate(model: DecoderModel, head: DraftHead | None, n: int, data: Position
     return out
 
 
+def _draft_chunks(model: DecoderModel, head: DraftHead | None, n: int, data: Positions):
+    """Yields (first row, rows, draft logits [rows, vocab]) over a split: per sequence for the attn kind
+    (its queries need their prefix), in chunks otherwise (head None: the plain exit)."""
+    if head is not None and head.kind == "attn":
+        for j, (start, count, _) in enumerate(data.spans):
+            if count:
+                h = data.hidden[n][start : start + count][None].to(model.dtype)  # [1, S, hidden]
+                yield start, count, head.logits(h, attn_context(model, data, n, j, model.dtype))[0]
+        return
+    for first in range(0, data.final.shape[0], 1024):
+        hid = data.hidden[n][first : first + 1024].to(model.dtype)
+        yield first, hid.shape[0], head.logits(hid) if head is not None else model.logits(hid)
+
+
 @dataclass
 class TrainResult:
     draft_layers: int
@@ -193,6 +258,7 @@ class TrainResult:
     plain_exit: dict  # the plain early exit (full vocabulary), for reference
     final_loss: float
     choice: dict = field(default_factory=dict)  # set by choose_best: γ, c, v, predicted speedup
+    full_vocab: dict = field(default_factory=dict)  # the same adapter scoring the whole vocabulary
     head: DraftHead | None = None
 
     def to_dict(self) -> dict:
@@ -207,9 +273,10 @@ def prepare_data(model: DecoderModel, prompts: list[list[int]], eos: set[int], c
     train_seqs = [(prompts[i] + answers[i], max(0, len(prompts[i]) - 1 - cfg.prompt_positions)) for i in train_idx]
     held_seqs = [(prompts[i] + answers[i], len(prompts[i]) - 1) for i in held_idx]  # responses only
     log(f"teacher-forced positions: {len(train_idx)} training and {len(held_idx)} held-out prompts")
+    kv = "attn" in cfg.kinds
     return {
-        "train": collect(model, train_seqs, cfg.draft_layers, keep_final=False),
-        "held": collect(model, held_seqs, cfg.draft_layers, keep_final=True),
+        "train": collect(model, train_seqs, cfg.draft_layers, keep_final=False, kv=kv),
+        "held": collect(model, held_seqs, cfg.draft_layers, keep_final=True, kv=kv),
         "vocab": vocabulary_subset([answers[i] for i in train_idx], cfg.vocab_subset, model.config.vocab_size, eos),
         "train_prompts": len(train_idx),
         "held_prompts": len(held_idx),
@@ -230,7 +297,7 @@ def train_one(model: DecoderModel, n: int, kind: str, data: dict, cfg: TrainConf
     head = build(model, n, adapter, vocab, meta)
     held = evaluate(model, head, n, data["held"], cfg.temperatures)
     head.metadata["heldout"] = held
-    untrained = build(model, n, Adapter(kind, model.config.hidden_size, cfg.rank), vocab)  # identity, same subset
+    untrained = build(model, n, new_adapter(model, kind, cfg.rank), vocab)  # identity, same subset
     return TrainResult(
         n, kind, held, evaluate(model, untrained, n, data["held"], cfg.temperatures),
         evaluate(model, None, n, data["held"], cfg.temperatures), losses[-1], head=head,
@@ -241,12 +308,18 @@ def train_resumable(model, prompts, eos, cfg: TrainConfig, metadata: dict, work:
     """prepare_data + train_one for every (N, kind), keeping each finished piece in `work` so that an
     interrupted run picks up where it stopped."""
     work.mkdir(parents=True, exist_ok=True)
+    _check_work_config(work, cfg)
     data_file = work / "data.pt"
+    data = None
     if data_file.exists():
         stored = torch.load(data_file, weights_only=True)
         data = {**stored, "train": Positions(**stored["train"]), "held": Positions(**stored["held"])}
-        log(f"reusing the teacher-forced data in {data_file}")
-    else:
+        if "attn" in cfg.kinds and not all(n in data["train"].kv for n in cfg.draft_layers):
+            data = None
+            log(f"{data_file} lacks the keys/values an attn adapter trains on: preparing it again")
+        else:
+            log(f"reusing the teacher-forced data in {data_file}")
+    if data is None:
         data = prepare_data(model, prompts, eos, cfg, log)
         torch.save({**data, "train": asdict(data["train"]), "held": asdict(data["held"])}, data_file)
     results = []
@@ -262,6 +335,10 @@ def train_resumable(model, prompts, eos, cfg: TrainConfig, metadata: dict, work:
                 r = train_one(model, n, kind, data, cfg, metadata, progress)
                 r.head.save(head_file)
                 report.write_text(json.dumps(r.to_dict()))
+            if r.head.vocab is not None and not r.full_vocab:  # what the reduced vocabulary costs in α
+                whole = build(model, n, r.head.adapter, None)
+                r.full_vocab = evaluate(model, whole, n, data["held"], cfg.temperatures)
+                report.write_text(json.dumps(r.to_dict()))
             results.append(r)
             log(
                 f"N={n:2d} {kind:6s}: held-out top-1 {r.heldout['top1_agreement']:.3f} (plain exit "
@@ -270,6 +347,22 @@ def train_resumable(model, prompts, eos, cfg: TrainConfig, metadata: dict, work:
                 + f"; held-out loss {r.baseline['loss']:.3f} -> {r.heldout['loss']:.3f}"
             )
     return results
+
+
+def _check_work_config(work: Path, cfg: TrainConfig) -> None:
+    """A work directory holds results of one configuration (any N and kind); refuse to mix others in."""
+    mine = {k: v for k, v in asdict(cfg).items() if k not in ("draft_layers", "kinds")}
+    stored = work / "config.json"
+    if stored.exists():
+        theirs = json.loads(stored.read_text())
+        differ = sorted(k for k in mine if theirs.get(k) != mine[k])
+        if differ:
+            raise SelfspecError(
+                f"{work} holds a run with different settings ({', '.join(f'{k}={theirs.get(k)!r}' for k in differ)}): "
+                "use another --out, or delete that directory to start over"
+            )
+    else:
+        stored.write_text(json.dumps(mine))
 
 
 @torch.inference_mode()
@@ -282,21 +375,25 @@ def choose_best(model: DecoderModel, results: list[TrainResult], gammas=range(1,
     cache = model.new_cache(len(context) + 64)
     depths = sorted({r.draft_layers for r in results})
     full, _, v = time_costs(model, cache, context, depths, list(gammas), repeats)
-    costs = {"full_step_seconds": full, "verify_cost": v, "draft_cost": {}}
+    costs = {"full_step_seconds": full, "verify_cost": v, "draft_cost": {}, "draft_cost_full_vocab": {}}
     best, best_speed = None, -1.0
     for r in results:
-        c = _time_draft_step(model, cache, context, r) / full
+        c = _time_draft_step(model, cache, context, r.head) / full
         costs["draft_cost"][f"{r.draft_layers}-{r.kind}"] = c
+        if r.head.vocab is not None:
+            whole = build(model, r.draft_layers, r.head.adapter, None)
+            costs["draft_cost_full_vocab"][f"{r.draft_layers}-{r.kind}"] = _time_draft_step(model, cache, context, whole) / full
         alpha = r.heldout["acceptance"]["0"]
-        for g in gammas:
+        for g in gammas:  # each head's own best γ goes in its report; the best head overall is returned
             speed = estimate(alpha, g, c, v[str(r.draft_layers)][str(g)]).speedup
-            if speed > best_speed:
-                best, best_speed = r, speed
+            if speed > r.choice.get("predicted_speedup", -1.0):
                 r.choice = {"gamma": g, "c": c, "verify_cost": v[str(r.draft_layers)][str(g)], "alpha": alpha, "predicted_speedup": speed}
+        if r.choice["predicted_speedup"] > best_speed:
+            best, best_speed = r, r.choice["predicted_speedup"]
     return best, costs
 
 
-def _time_draft_step(model: DecoderModel, cache, context: list[int], r: TrainResult, repeats: int = 7) -> float:
+def _time_draft_step(model: DecoderModel, cache, context: list[int], head: DraftHead, repeats: int = 7) -> float:
     import statistics
     import time
 
@@ -308,8 +405,8 @@ def _time_draft_step(model: DecoderModel, cache, context: list[int], r: TrainRes
         for _ in range(repeats + 1):
             start = time.perf_counter()
             b = cache.prepare([seq], [1])
-            h = model.run_layers(model.embed(torch.tensor([[7]])), 0, r.draft_layers, b, cache)
-            r.head.logits(h[:, -1]).argmax(-1)
+            h = model.run_layers(model.embed(torch.tensor([[7]])), 0, head.draft_layers, b, cache)
+            head.draft(h, b, cache).argmax(-1)
             samples.append(time.perf_counter() - start)
             cache.truncate(seq, len(context))
         return statistics.median(samples[1:])

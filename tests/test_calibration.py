@@ -44,7 +44,7 @@ def test_teacher_forced_acceptance_is_exact():
     model = ours(hf)
     cache = model.new_cache(256)
     prompt, cont = [3, 9, 4], [7, 1, 22, 5, 5]
-    accept, top = teacher_forced_acceptance(model, cache, prompt, cont, [1, 3], 0.0)
+    accept, top, _ = teacher_forced_acceptance(model, cache, prompt, cont, [1, 3], 0.0)
     tokens = torch.tensor([prompt + cont])
     full = hf(tokens, output_hidden_states=True)
     target = full.logits[0, 2:-1].argmax(-1)
@@ -52,14 +52,47 @@ def test_teacher_forced_acceptance_is_exact():
         draft = model.logits(full.hidden_states[n][0, 2:-1]).argmax(-1)
         assert accept[str(n)] == (draft == target).float().tolist()
         assert len(top[str(n)]) == len(cont)
-    sampled, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
+    sampled, _, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
     assert all(0.0 <= b <= 1.0 for b in sampled["2"])
     for layer in model.layers[2:]:  # upper layers add nothing: the exit at 2 is the model
         layer.wo.zero_()
         layer.w_down.zero_()
-    same, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
+    same, _, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
     assert same["2"] == pytest.approx([1.0] * len(cont), abs=1e-5)
     assert cache.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kind", ["affine", "attn"])
+@torch.inference_mode()
+def test_teacher_forced_acceptance_with_a_draft_head(kind):
+    """With a head at N, N's acceptance is the head's (equal to drafting with it step by step) and
+    the plain exit's is kept beside it."""
+    from selfspec.draft_head import build, new_adapter
+
+    model = ours(tiny_hf_model("llama", vocab_size=64, num_hidden_layers=4, initializer_range=0.3))
+    torch.manual_seed(1)
+    adapter = new_adapter(model, kind, rank=8)
+    for p in adapter.parameters():
+        p.normal_(0, 0.3)
+    head = build(model, 2, adapter, None)
+    cache = model.new_cache(256)
+    prompt, cont = [3, 9, 4], [7, 1, 22, 5, 5, 9, 13, 2]
+    accept, _, plain = teacher_forced_acceptance(model, cache, prompt, cont, [1, 2], 0.0, {2: head})
+    without, _, none = teacher_forced_acceptance(model, cache, prompt, cont, [1, 2], 0.0)
+    assert plain == {"2": without["2"]} and none == {} and accept["1"] == without["1"]
+    seq = cache.allocate()  # drafting step by step with the head agrees with its teacher-forced form
+    stepwise = []
+    tokens = prompt + cont
+    for i, t in enumerate(tokens[:-1]):
+        batch = cache.prepare([seq], [1])
+        if i < len(prompt) - 1:  # the prompt's own positions: cache only
+            model.run_layers(model.embed(torch.tensor([[t]])), 0, model.num_layers, batch, cache)
+        else:
+            h2 = model.run_layers(model.embed(torch.tensor([[t]])), 0, 2, batch, cache)
+            draft = head.draft(h2, batch, cache).argmax(-1)
+            full = model.logits(model.run_layers(h2, 2, model.num_layers, batch, cache)[:, -1]).argmax(-1)
+            stepwise.append(float(draft == full))
+    assert accept["2"] == stepwise
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +192,49 @@ def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
     for suffix in (".json", ".md", ".png"):
         assert prefix.with_suffix(suffix).is_file()
     assert main(["bench", "--data", str(DEV_SET), "--compare", "plain,nonsense"]) == 2
+
+
+def test_calibrate_with_a_draft_head(tiny_checkpoint, tmp_path, capsys):
+    """--draft-head: its depth is calibrated with the head, and the profile keeps α with and without it."""
+    from selfspec.draft_head import build, new_adapter
+
+    model = Engine.from_pretrained(str(tiny_checkpoint)).model
+    torch.manual_seed(2)
+    adapter = new_adapter(model, "attn", rank=8)
+    with torch.no_grad():
+        for p in adapter.parameters():
+            p.normal_(0, 0.2)
+    build(model, 2, adapter, torch.arange(0, model.config.vocab_size, 2)).save(tmp_path / "head.safetensors")
+    argv = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "1:2:1",
+            "--gammas", "1-2", "--temperatures", "0", "--per-category", "1", "--new-tokens", "8",
+            "--out", str(tmp_path / "profile.json"), "--draft-head", str(tmp_path / "head.safetensors"), "--json"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    profile = Profile.load(tmp_path / "profile.json")
+    summary = profile.draft_heads["2"]
+    assert summary["kind"] == "attn" and summary["vocab_subset"] == model.config.vocab_size // 2
+    row = summary["acceptance"]["0"]
+    assert 0 <= row["alpha_with_head"] <= 1 and 0 <= row["alpha_plain_exit"] <= 1
+    assert row["alpha_with_head"] != row["alpha_plain_exit"]  # a random head drafts differently
+    assert "1" not in profile.draft_heads
+
+
+def test_bench_heldout_only_uses_the_heads_heldout_prompts(tiny_checkpoint, tmp_path, capsys):
+    from selfspec.draft_head import build, new_adapter
+
+    model = Engine.from_pretrained(str(tiny_checkpoint)).model
+    ids = [json.loads(line)["question_id"] for line in DEV_SET.read_text().splitlines()[:40:13]]  # 4 prompts
+    head = build(model, 2, new_adapter(model, "affine"), None, {"heldout_question_ids": [str(i) for i in ids]})
+    head.save(tmp_path / "head.safetensors")
+    prefix = tmp_path / "bench"
+    argv = ["bench", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--compare", "plain,selfspec:2:1,selfspec:2:1:exit",
+            "--max-tokens", "8", "--draft-head", str(tmp_path / "head.safetensors"), "--heldout-only",
+            "--per-category", "100", "--out", str(prefix), "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    overall = {s["method"]: s for s in summary if s["category"] == "all"}
+    assert overall["selfspec:2:1"]["identical"] == overall["selfspec:2:1:exit"]["identical"] == 4
+    meta = json.loads(prefix.with_suffix(".json").read_text())["meta"]
+    assert meta["questions"] == [str(i) for i in ids] and meta["draft_heads"] == {"2": {"kind": "affine", "vocab_subset": 0}}
+    assert main(argv[:-8] + ["--no-draft-head", "--heldout-only", "--out", str(prefix)]) == 2
+    assert "no draft head with held-out prompts" in capsys.readouterr().err

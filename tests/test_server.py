@@ -169,6 +169,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -4}, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
 ]
 
 

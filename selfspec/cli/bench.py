@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .calibrate import load_questions
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
 
 PROG = "selfspec bench"
 HF_METHODS = ("hf", "hf-early-exit", "hf-prompt-lookup")
@@ -28,9 +28,15 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--compare", default="plain,selfspec,hf,hf-early-exit,hf-prompt-lookup")
     p.add_argument("--per-category", type=positive_int, default=1)
     p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=1, help="timings per method and prompt; the median is kept")
     p.add_argument("--early-exit-layers", type=positive_int, default=None, help="hf-early-exit depth (default: L/2)")
     p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
     p.add_argument("--profile", help="calibration profile for the `selfspec` method")
+    add_draft_head_args(p)
+    p.add_argument(
+        "--heldout-only", action="store_true",
+        help="only prompts the draft head's training held out (from its metadata); --per-category applies after",
+    )
     p.add_argument("--out", default="benchmarks/results/bench", help="path prefix for .json, .md and .png")
     p.add_argument("--json", action="store_true")
     return p
@@ -42,9 +48,11 @@ def parse_methods(text: str, num_layers: int | None = None) -> list[str]:
         if m in ("plain", "selfspec") or m in HF_METHODS:
             continue
         parts = m.split(":")
-        if parts[0] != "selfspec" or len(parts) != 3 or not all(x.isdigit() for x in parts[1:]):
+        plain_exit = len(parts) == 4 and parts[3] == "exit"
+        if parts[0] != "selfspec" or len(parts) != 3 + plain_exit or not all(x.isdigit() for x in parts[1:3]):
             raise ValueError(
-                f"--compare: unknown method {m!r}; use plain, selfspec, selfspec:N:G, {', '.join(HF_METHODS)}"
+                f"--compare: unknown method {m!r}; use plain, selfspec, selfspec:N:G, selfspec:N:G:exit (no draft head), "
+                + ", ".join(HF_METHODS)
             )
     if "plain" not in methods:
         methods.insert(0, "plain")  # the baseline every speedup is taken against
@@ -71,16 +79,23 @@ class Runner:
             last.register_forward_hook(lambda *a: setattr(self, "_forwards", self._forwards + 1))
         return self._hf
 
-    def __call__(self, method: str, ids: list[int]):
+    def __call__(self, method: str, ids: list[int], category: str | None = None):
         from selfspec import SamplingParams, SpecConfig
 
         params = SamplingParams(temperature=0, max_tokens=self.args.max_tokens, ignore_eos=True)
         if method in HF_METHODS:
             return self._hf_run(method, ids)
-        spec = None if method == "plain" else "auto" if method == "selfspec" else SpecConfig(*map(int, method.split(":")[1:]))
-        start = time.perf_counter()
-        r = self.engine.generate(ids, params, spec=spec)
-        seconds = time.perf_counter() - start
+        parts = method.split(":")
+        spec = None if method == "plain" else "auto" if method == "selfspec" else SpecConfig(int(parts[1]), int(parts[2]))
+        heads = self.engine.draft_heads
+        if parts[-1] == "exit":  # the plain early exit at a depth that has a draft head
+            self.engine.draft_heads = {}
+        try:
+            start = time.perf_counter()
+            r = self.engine.generate(ids, params, spec=spec, category=category)
+            seconds = time.perf_counter() - start
+        finally:
+            self.engine.draft_heads = heads
         rounds = r.stats.steps  # plain steps and speculative rounds each run the full model once
         return r.token_ids, seconds, rounds, r.stats.spec_policy
 
@@ -105,10 +120,19 @@ def _body(args) -> int:
     from selfspec import Engine
 
     methods = parse_methods(args.compare)
-    questions = load_questions(args.data, args.per_category)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile,
+        draft_head=draft_head_arg(args),
     )
+    if args.heldout_only:
+        held = {q for h in engine.draft_heads.values() for q in h.metadata.get("heldout_question_ids", [])}
+        if not held:
+            raise ValueError("--heldout-only: no draft head with held-out prompts in its metadata (see selfspec train-draft)")
+        questions = [q for q in load_questions(args.data, 10**9) if str(q["question_id"]) in held]
+        questions = [q for i, q in enumerate(questions) if sum(p["category"] == q["category"] for p in questions[:i]) < args.per_category]
+    else:
+        questions = load_questions(args.data, args.per_category)
+    args.questions = [str(q["question_id"]) for q in questions]
     runner = Runner(engine, args)
     runner("plain", engine.encode("Hello"))  # warm-up
     encoded = [(q, engine.encode(q["turns"][0])) for q in questions]
@@ -118,8 +142,13 @@ def _body(args) -> int:
         raise ValueError(f"no prompt fits the model's {engine.max_model_len}-token context with --max-tokens {args.max_tokens}")
     rows = []
     for i, (q, ids) in enumerate(fits):
-        order = methods[i % len(methods) :] + methods[: i % len(methods)]
-        results = {m: runner(m, ids) for m in order}
+        results = {}
+        for r in range(args.repeats):  # every method once per repeat, in an order that rotates
+            shift = (i + r) % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                tokens, seconds, forwards, policy = runner(m, ids, q["category"])
+                results.setdefault(m, [tokens, [], forwards, policy])[1].append(seconds)
+        results = {m: (t, statistics.median(s), f, p) for m, (t, s, f, p) in results.items()}
         plain_ids, plain_s, _, _ = results["plain"]
         for m in methods:
             tokens, seconds, forwards, policy = results[m]
@@ -165,13 +194,20 @@ def _summarize(rows: list[dict], methods: list[str]) -> list[dict]:
 def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
     import torch
 
+    from selfspec.calibration import machine_info
+
     prefix.parent.mkdir(parents=True, exist_ok=True)
     meta = {
+        "machine": machine_info(),
         "model": args.model,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens,
+        "heldout_only": args.heldout_only,
+        "questions": args.questions,
+        "repeats": args.repeats,
         "methods": methods,
+        "draft_heads": {str(n): {"kind": h.kind, "vocab_subset": 0 if h.vocab is None else int(h.vocab.numel())} for n, h in engine.draft_heads.items()},
         "spec_policy_examples": sorted({r["spec_policy"] for r in rows if r["method"] == "selfspec"}),
         "skipped_prompts_too_long": args.skipped,
     }
@@ -181,8 +217,11 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
     lines = [
         f"# selfspec bench: speedup over plain decoding ({args.model}, {args.dtype}, greedy, {args.max_tokens} tokens)",
         "",
-        "Cells: median speedup over selfspec plain decoding (measured interleaved in one run) / mean tokens per "
-        "full-model forward / prompts whose output is identical to plain decoding.",
+        f"Cells: median speedup over selfspec plain decoding (measured interleaved in one run, median of "
+        f"{args.repeats} timing(s) per method and prompt) / mean tokens per full-model forward / prompts whose "
+        "output is identical to plain decoding.",
+        "",
+        f"Machine: {meta['machine']['platform']}, {meta['machine']['cores']} cores, {meta['threads']} torch threads, torch {meta['machine']['torch']}.",
         "",
         "| category | " + " | ".join(methods) + " |",
         "|---|" + "---|" * len(methods),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
 
 PROG = "selfspec calibrate"
 
@@ -44,6 +44,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write; <out>.partial.jsonl keeps progress")
     p.add_argument("--plot", help="directory for PNG plots")
     p.add_argument("--seed", type=int, default=0)
+    add_draft_head_args(p.add_argument_group("draft head (its depth is calibrated with it; the plain exit's acceptance is kept beside)"))
     p.add_argument("--json", action="store_true", help="print the profile summary as JSON")
     return p
 
@@ -82,7 +83,8 @@ def _body(args) -> int:
         raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
     questions = load_questions(args.data, args.per_category)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=False
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=False,
+        draft_head=draft_head_arg(args),
     )
     layers = engine.model.num_layers
     if min(depths) < 1 or max(depths) >= layers:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
 
 PROG = "selfspec check-distribution"
 
@@ -28,6 +28,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--samples", type=positive_int, default=500, help="continuations per arm (default 500)")
     p.add_argument("--new-tokens", type=positive_int, default=8, help="tokens per continuation (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    add_draft_head_args(p)
     p.add_argument("--json", action="store_true")
     return p
 
@@ -40,17 +41,20 @@ def _body(args) -> int:
     if params.greedy:
         raise ValueError("--temperature 0 is greedy: there is no distribution to compare (use > 0)")
     spec = SpecConfig(args.draft_layers, args.gamma)
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads)
+    engine = Engine.from_pretrained(
+        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, draft_head=draft_head_arg(args)
+    )
     spec.check(engine.model.num_layers)
     prompt = engine.encode(args.prompt, chat=not args.raw)
-    report = compare(engine.model, prompt, params, spec, args.samples, args.new_tokens, args.seed)
+    head = engine.draft_heads.get(spec.draft_layers)  # drafts at its depth use it, as in generate
+    report = compare(engine.model, prompt, params, spec, args.samples, args.new_tokens, args.seed, draft_logits=head.draft if head else None)
     if args.json:
-        print(json.dumps(report.to_dict()))
+        print(json.dumps({**report.to_dict(), "draft_head": head.kind if head else None}))
     else:
         verdict = "consistent with lossless" if report.lossless else "NOT consistent with lossless"
         print(
             f"{report.samples} samples x {report.new_tokens} tokens per arm, N={spec.draft_layers}, gamma={spec.num_speculative_tokens}, "
-            f"T={params.temperature}, top_p={params.top_p}, top_k={params.top_k}\n"
+            f"T={params.temperature}, top_p={params.top_p}, top_k={params.top_k}, draft head: {head.kind if head else 'none'}\n"
             f"log-likelihood: mean {report.mean_loglik_plain:.3f} plain vs {report.mean_loglik_speculative:.3f} speculative; "
             f"KS statistic {report.statistic:.4f}, p-value {report.pvalue:.4f}\n"
             f"first token: chi-square p-value {report.first_token_pvalue:.4f}\n"

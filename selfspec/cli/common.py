@@ -54,6 +54,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
     g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
     g.add_argument("--category", help="request category for the profile's buckets (e.g. qa, translation)")
+    add_draft_head_args(g)
+
+
+def add_draft_head_args(g) -> None:
     g.add_argument("--draft-head", help="trained draft head (.safetensors; default: the shipped one for this model)")
     g.add_argument("--no-draft-head", action="store_true", help="draft with the plain early exit")
 

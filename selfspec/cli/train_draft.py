@@ -19,7 +19,7 @@ def build_parser() -> ArgumentParser:
     add_model_args(p)
     p.add_argument("--data", required=True, help="JSONL with question_id, category, turns (Spec-Bench format)")
     p.add_argument("--draft-layers", default="6,10,14,18", help="exit layers N to train (default 6,10,14,18)")
-    p.add_argument("--kind", default="affine,mlp", help="adapter kinds: affine, mlp (default both)")
+    p.add_argument("--kind", default="affine,mlp", help="adapter kinds: affine, mlp, attn (default affine,mlp)")
     p.add_argument("--vocab-subset", type=int, default=8192, help="draft vocabulary size, 0 = all (default 8192)")
     p.add_argument("--steps", type=positive_int, default=1500)
     p.add_argument("--batch-size", type=positive_int, default=512)
@@ -30,6 +30,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--max-prompts", type=positive_int, help="use at most this many prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="where to save the best head (.safetensors); <out>.json gets the report")
+    p.add_argument("--plot", help="PNG: held-out acceptance vs N per kind, draft cost and predicted speedup")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -40,7 +41,7 @@ def _body(args) -> int:
 
     from selfspec.draft_head import KINDS
     from selfspec.loader import load
-    from selfspec.train_draft import TrainConfig, choose_best, train_resumable
+    from selfspec.train_draft import TrainConfig, choose_best, split_prompts, train_resumable
 
     kinds = [k.strip() for k in args.kind.split(",") if k.strip()]
     for k in kinds:
@@ -59,8 +60,9 @@ def _body(args) -> int:
         torch.set_num_threads(args.threads)
     questions = load_questions(args.data, per_category=10**9)[: args.max_prompts]
     template = lambda q: tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=False)  # noqa: E731
-    prompts = [tok(template(q), add_special_tokens=False).input_ids for q in questions]
-    prompts = [p for p in prompts if len(p) + args.new_tokens < model.config.max_position_embeddings]
+    encoded = [(q, tok(template(q), add_special_tokens=False).input_ids) for q in questions]
+    encoded = [(q, p) for q, p in encoded if len(p) + args.new_tokens < model.config.max_position_embeddings]
+    prompts = [p for _, p in encoded]
     eos = set(model.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     cfg = TrainConfig(
         draft_layers=depths, kinds=kinds, vocab_subset=args.vocab_subset, rank=args.rank, steps=args.steps,
@@ -72,9 +74,17 @@ def _body(args) -> int:
     bar.close()
     best, costs = choose_best(model, results)
     best.head.metadata["choice"] = best.choice
+    _, held = split_prompts(prompts, cfg.heldout_fraction, cfg.seed)  # the split train_resumable used
+    best.head.metadata["heldout_question_ids"] = [str(encoded[i][0]["question_id"]) for i in held]
     best.head.save(args.out)
     report = {"out": args.out, "best": best.choice, "costs": costs, "results": [r.to_dict() for r in results]}
     Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+    Path(f"{args.out}.md").write_text(_markdown(report, best, metadata["training_command"]))
+    if args.plot:
+        from selfspec.plots import write_train_draft_plot
+
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        write_train_draft_plot(report, args.plot)
     if args.json:
         print(json.dumps(report))
     else:
@@ -84,6 +94,37 @@ def _body(args) -> int:
             f"c={c['c']:.2f}, v={c['verify_cost']:.2f}, predicted {c['predicted_speedup']:.2f}x at gamma={c['gamma']} -> {args.out}"
         )
     return 0
+
+
+def _markdown(report: dict, best, command: str) -> str:
+    from selfspec.calibration import machine_info
+
+    costs, m = report["costs"], machine_info()
+    lines = [
+        "# Trained draft exits: held-out acceptance, draft cost and predicted speedup",
+        "",
+        f"Machine: {m['platform']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}. "
+        f"Full step {costs['full_step_seconds'] * 1000:.1f} ms. Command: `{command}`.",
+        "",
+        "α: held-out greedy acceptance (top-1 agreement with the full model) and expected acceptance at T=0.7; "
+        "`full vocab`: the same adapter scoring every token; c: draft step / full step (measured); "
+        "v: verification / full step at the head's best γ; predicted: E/(γc + v) at that γ.",
+        "",
+        "| N | kind | α T=0 | α T=0.7 | α full vocab | α plain exit | c | c full vocab | best γ | v | predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        key, ch = f"{r['draft_layers']}-{r['kind']}", r["choice"]
+        full = r.get("full_vocab", {}).get("acceptance", {}).get("0")
+        lines.append(
+            f"| {r['draft_layers']} | {r['kind']} | {r['heldout']['acceptance']['0']:.3f} | {r['heldout']['acceptance']['0.7']:.3f} | "
+            + (f"{full:.3f}" if full is not None else "-")
+            + f" | {r['plain_exit']['acceptance']['0']:.3f} | {costs['draft_cost'][key]:.3f} | "
+            + (f"{costs['draft_cost_full_vocab'][key]:.3f}" if key in costs["draft_cost_full_vocab"] else "-")
+            + f" | {ch['gamma']} | {ch['verify_cost']:.2f} | {ch['predicted_speedup']:.2f}x |"
+        )
+    lines += ["", f"Best: N={best.draft_layers} {best.kind}, γ={best.choice['gamma']}, predicted {best.choice['predicted_speedup']:.2f}x.", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
