@@ -72,11 +72,7 @@ def teacher_forced_acceptance(
             h = model.run_layers(h, done, n, batch, cache)
             drafts[n] = model.logits(h[0, first:])  # [n, vocab]
             if n in heads:  # the head reads the cache as it stands after this forward (attn: layer N-1)
-                if heads[n].kind == "attn":
-                    draft = heads[n].logits(h, heads[n].context(batch, cache))[0, first:]
-                else:
-                    draft = heads[n].logits(h[0, first:])
-                drafts[n], drafts[-n] = draft, drafts[n]
+                drafts[n], drafts[-n] = heads[n].in_pass(h, batch, cache)[0, first:], drafts[n]
             done = n
         h = model.run_layers(h, done, model.num_layers, batch, cache)
         target = model.logits(h[0, first:])  # [n, vocab]
@@ -113,8 +109,8 @@ def time_costs(
     heads: dict | None = None,
 ) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
-    + head + argmax; a trained draft head where `heads` has one); a verification per (N, γ) (the last draft's pass through [0, N), then layers
-    [N, L) over γ + 1 tokens, head and argmax). -> (full step seconds, c per N, v per N per γ)."""
+    + head + argmax; a trained draft head where `heads` has one); a verification per (N, γ) (the last
+    draft's pass through [0, N), then layers [N, L) over γ + 1 tokens, head and argmax). -> (full step seconds, c per N, v per N per γ)."""
     seq = cache.allocate()
     try:
         batch = cache.prepare([seq], [len(context)])
@@ -238,6 +234,15 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     # A cache of its own, sized for one batch of continuations (the engine's serves validation runs).
     cache = model.new_cache(plan.batch_size * (longest + plan.new_tokens + 2))
     done = _load_partial(partial_path)
+    heads = {str(n): _head_id(h) for n, h in engine.draft_heads.items()}
+    if done and done.get("__heads__", {}) != heads:  # records measured with other draft heads do not resume
+        raise SelfspecError(
+            f"{partial_path} was measured with draft heads {done.get('__heads__', {})}, this run has {heads}: "
+            "delete it or write the profile elsewhere"
+        )
+    if not done:
+        _append_partial(partial_path, {"__heads__": heads})
+    done.pop("__heads__", None)
     costs = done.pop("__costs__", None)
     if costs is None:
         context = encoded[str(questions[0]["question_id"])]
@@ -274,6 +279,12 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     return profile, records, estimates
 
 
+def _head_id(head) -> str:
+    """A draft head's identity for resuming: kind, depth, vocabulary and a checksum of its weights."""
+    total = sum(float(p.double().abs().sum()) for p in head.adapter.parameters())
+    return f"{head.kind}@{head.draft_layers}/v{head.vocab_subset}/{total:.6e}"
+
+
 def _head_summary(heads: dict, records: list[AcceptanceRecord], plan: CalibrationPlan) -> dict:
     """Per depth with a draft head: its kind and the acceptance with and without it, per temperature."""
     out = {}
@@ -288,7 +299,7 @@ def _head_summary(heads: dict, records: list[AcceptanceRecord], plan: Calibratio
                 "alpha_with_head": sum(sum(r.accept[str(n)]) for r in recs) / total,
                 "alpha_plain_exit": sum(sum(r.plain_exit[str(n)]) for r in recs) / total,
             }
-        out[str(n)] = {"kind": head.kind, "vocab_subset": 0 if head.vocab is None else int(head.vocab.numel()), "acceptance": rows}
+        out[str(n)] = {"kind": head.kind, "vocab_subset": head.vocab_subset, "acceptance": rows}
     return out
 
 

@@ -99,11 +99,19 @@ class DraftHead:
     def kind(self) -> str:
         return self.adapter.kind
 
-    @torch.inference_mode()
+    @property
+    def vocab_subset(self) -> int:
+        """Tokens the draft may propose; 0 = the whole vocabulary."""
+        return 0 if self.vocab is None else int(self.vocab.numel())
+
     def draft(self, h: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
         """The drafting call: hidden [B, S, hidden] at layer N of a pass described by `batch` ->
         draft logits [B, vocab] of each row's last position."""
-        return self.logits(h, self.context(batch, cache) if self.kind == "attn" else None)[:, -1]
+        return self.in_pass(h, batch, cache)[:, -1]
+
+    def in_pass(self, h: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
+        """hidden [B, S, hidden] at layer N of a pass described by `batch` -> draft logits [B, S, vocab]."""
+        return self.logits(h, self.context(batch, cache) if self.kind == "attn" else None)
 
     def context(self, batch: AttentionBatch, cache: PagedKVCache) -> AttnContext:
         k, v = gather_kv(cache.layers[self.draft_layers - 1], batch)  # each [B, kv_heads, T, head_dim]

@@ -314,9 +314,10 @@ def train_resumable(model, prompts, eos, cfg: TrainConfig, metadata: dict, work:
     if data_file.exists():
         stored = torch.load(data_file, weights_only=True)
         data = {**stored, "train": Positions(**stored["train"]), "held": Positions(**stored["held"])}
-        if "attn" in cfg.kinds and not all(n in data["train"].kv for n in cfg.draft_layers):
+        needed = set(cfg.draft_layers)
+        if not needed <= set(data["train"].hidden) or ("attn" in cfg.kinds and not needed <= set(data["train"].kv)):
             data = None
-            log(f"{data_file} lacks the keys/values an attn adapter trains on: preparing it again")
+            log(f"{data_file} lacks some exit layer's hidden states or keys/values: preparing it again")
         else:
             log(f"reusing the teacher-forced data in {data_file}")
     if data is None:

@@ -217,6 +217,9 @@ def test_calibrate_with_a_draft_head(tiny_checkpoint, tmp_path, capsys):
     assert 0 <= row["alpha_with_head"] <= 1 and 0 <= row["alpha_plain_exit"] <= 1
     assert row["alpha_with_head"] != row["alpha_plain_exit"]  # a random head drafts differently
     assert "1" not in profile.draft_heads
+    no_head = argv[: argv.index("--draft-head")] + ["--no-draft-head", "--json"]
+    assert main(no_head) == 2  # its partial results were measured with the head: no silent mix
+    assert "measured with draft heads" in capsys.readouterr().err
 
 
 def test_bench_heldout_only_uses_the_heads_heldout_prompts(tiny_checkpoint, tmp_path, capsys):

@@ -207,7 +207,7 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
         "questions": args.questions,
         "repeats": args.repeats,
         "methods": methods,
-        "draft_heads": {str(n): {"kind": h.kind, "vocab_subset": 0 if h.vocab is None else int(h.vocab.numel())} for n, h in engine.draft_heads.items()},
+        "draft_heads": {str(n): {"kind": h.kind, "vocab_subset": h.vocab_subset} for n, h in engine.draft_heads.items()},
         "spec_policy_examples": sorted({r["spec_policy"] for r in rows if r["method"] == "selfspec"}),
         "skipped_prompts_too_long": args.skipped,
     }
