@@ -64,6 +64,7 @@ class Profile:
     validation: list[dict] = field(default_factory=list)  # end-to-end measurements behind the choices
     skipped_prompts: list[str] = field(default_factory=list)  # longer than the model's context allows
     draft_heads: dict = field(default_factory=dict)  # N -> the draft head calibrated there, α with and without it
+    prompts: list[str] = field(default_factory=list)  # question ids calibrated on
     version: int = PROFILE_VERSION
 
     def to_json(self) -> str:

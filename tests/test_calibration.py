@@ -204,13 +204,16 @@ def test_calibrate_with_a_draft_head(tiny_checkpoint, tmp_path, capsys):
     with torch.no_grad():
         for p in adapter.parameters():
             p.normal_(0, 0.2)
-    build(model, 2, adapter, torch.arange(0, model.config.vocab_size, 2)).save(tmp_path / "head.safetensors")
+    held = [str(json.loads(line)["question_id"]) for line in DEV_SET.read_text().splitlines()[:40:13]]
+    meta = {"heldout_question_ids": held}
+    build(model, 2, adapter, torch.arange(0, model.config.vocab_size, 2), meta).save(tmp_path / "head.safetensors")
     argv = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "1:2:1",
-            "--gammas", "1-2", "--temperatures", "0", "--per-category", "1", "--new-tokens", "8",
+            "--gammas", "1-2", "--temperatures", "0", "--per-category", "3", "--new-tokens", "8",
             "--out", str(tmp_path / "profile.json"), "--draft-head", str(tmp_path / "head.safetensors"), "--json"]
     assert main(argv) == 0
     capsys.readouterr()
     profile = Profile.load(tmp_path / "profile.json")
+    assert profile.prompts == held  # only what the head's training held out
     summary = profile.draft_heads["2"]
     assert summary["kind"] == "attn" and summary["vocab_subset"] == model.config.vocab_size // 2
     row = summary["acceptance"]["0"]

@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .calibrate import load_questions
+from .calibrate import heldout_ids, load_questions
 from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
 
 PROG = "selfspec bench"
@@ -124,14 +124,10 @@ def _body(args) -> int:
         args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile,
         draft_head=draft_head_arg(args),
     )
-    if args.heldout_only:
-        held = {q for h in engine.draft_heads.values() for q in h.metadata.get("heldout_question_ids", [])}
-        if not held:
-            raise ValueError("--heldout-only: no draft head with held-out prompts in its metadata (see selfspec train-draft)")
-        questions = [q for q in load_questions(args.data, 10**9) if str(q["question_id"]) in held]
-        questions = [q for i, q in enumerate(questions) if sum(p["category"] == q["category"] for p in questions[:i]) < args.per_category]
-    else:
-        questions = load_questions(args.data, args.per_category)
+    held = heldout_ids(engine) if args.heldout_only else None
+    if args.heldout_only and not held:
+        raise ValueError("--heldout-only: no draft head with held-out prompts in its metadata (see selfspec train-draft)")
+    questions = load_questions(args.data, args.per_category, held)
     args.questions = [str(q["question_id"]) for q in questions]
     runner = Runner(engine, args)
     runner("plain", engine.encode("Hello"))  # warm-up

@@ -4,6 +4,7 @@ the profile the runtime policy loads, and plots."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
@@ -44,12 +45,19 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write; <out>.partial.jsonl keeps progress")
     p.add_argument("--plot", help="directory for PNG plots")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--all-prompts", action="store_true", help="also the prompts a draft head was trained on (default: its held-out ones)")
     add_draft_head_args(p.add_argument_group("draft head (its depth is calibrated with it; the plain exit's acceptance is kept beside)"))
     p.add_argument("--json", action="store_true", help="print the profile summary as JSON")
     return p
 
 
-def load_questions(path: str, per_category: int) -> list[dict]:
+def heldout_ids(engine) -> set[str]:
+    """Question ids the engine's draft heads held out of their training (from their metadata)."""
+    return {q for h in engine.draft_heads.values() for q in h.metadata.get("heldout_question_ids", [])}
+
+
+def load_questions(path: str, per_category: int, only: set[str] | None = None) -> list[dict]:
+    """Spec-Bench style questions, at most `per_category` per category; `only`: these ids only."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--data {path}: no such file")
@@ -62,6 +70,8 @@ def load_questions(path: str, per_category: int) -> list[dict]:
             q["turns"][0], q["category"], q["question_id"]
         except (json.JSONDecodeError, KeyError, IndexError, TypeError):
             raise ValueError(f"--data {path}, line {i + 1}: expected JSON with question_id, category and turns") from None
+        if only is not None and str(q["question_id"]) not in only:
+            continue
         if seen.get(q["category"], 0) < per_category:
             seen[q["category"]] = seen.get(q["category"], 0) + 1
             out.append(q)
@@ -81,16 +91,21 @@ def _body(args) -> int:
         raise ValueError(f"--gammas {args.gammas}: use values in 1..32")
     if min(temps) < 0:
         raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
-    questions = load_questions(args.data, args.per_category)
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=False,
         draft_head=draft_head_arg(args),
     )
+    # A draft head has seen its training prompts: acceptance measured on them would flatter it.
+    held = None if args.all_prompts else heldout_ids(engine) or None
+    questions = load_questions(args.data, args.per_category, held)
+    if held:
+        print(f"calibrating on the {len(questions)} prompts the draft head's training held out (--all-prompts: every prompt)", file=sys.stderr)
     layers = engine.model.num_layers
     if min(depths) < 1 or max(depths) >= layers:
         raise ValueError(f"--draft-layers {args.draft_layers}: this model has {layers} layers, use depths in 1..{layers - 1}")
     plan = CalibrationPlan(depths, gammas, temps, new_tokens=args.new_tokens, seed=args.seed)
     profile, _, estimates = calibrate(engine, questions, plan, partial_path=f"{args.out}.partial.jsonl", progress=tqdm)
+    profile.prompts = [str(q["question_id"]) for q in questions]
     profile.save(args.out)
     plots = []
     if args.plot:
