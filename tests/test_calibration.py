@@ -171,11 +171,13 @@ def test_calibrate_bad_arguments(capsys, tiny_checkpoint, tmp_path):
     assert "this model has 4 layers" in capsys.readouterr().err
 
 
-def test_roofline_on_tiny_model(tiny_checkpoint, capsys):
-    assert main(["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--json"]) == 0
+def test_roofline_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
+    assert main(["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--json", "--out", str(tmp_path / "roof")]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["bandwidth_gb_s"] > 0 and r["weight_bytes"] > 0 and r["step_ms"] > 0
     assert set(r["k_costs"]) == {"1", "2", "3", "4"} and r["k_costs"]["1"] == 1.0
+    assert json.loads((tmp_path / "roof.json").read_text())["machine"]["cores"] > 0
+    assert "measured / bound" in (tmp_path / "roof.md").read_text()
 
 
 def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):

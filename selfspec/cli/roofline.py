@@ -15,6 +15,7 @@ def build_parser() -> ArgumentParser:
     add_model_args(p)
     p.add_argument("--context", type=positive_int, default=128, help="tokens already in the cache (default 128)")
     p.add_argument("--max-k", type=positive_int, default=16, help="largest k of the k-token forward curve")
+    p.add_argument("--out", help="also write <out>.json and <out>.md (with the machine described)")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -28,18 +29,34 @@ def _body(args) -> int:
 
         torch.set_num_threads(args.threads)
     r = measure(load(args.model, args.dtype).model, context=args.context, max_k=args.max_k)
-    if args.json:
-        print(json.dumps(r.to_dict()))
-        return 0
-    print(f"read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s")
-    print(f"weights read per step   {r.weight_bytes / 1e6:8.1f} MB ({args.dtype})")
-    print(f"step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)")
-    print(f"measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)")
-    verdict = "at the memory wall" if r.step_over_bound <= 1.5 else "above the wall: overhead or compute, not bandwidth"
-    print(f"measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}")
-    print("\nforward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):")
-    print("  " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()))
+    text = _report(r, args.dtype)
+    if args.out:
+        from pathlib import Path
+
+        from selfspec.calibration import machine_info
+
+        m = machine_info()
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"model": args.model, "dtype": args.dtype, "machine": m, **r.to_dict()}, indent=1))
+        header = f"# Roofline: {args.model}, {args.dtype}\n\nMachine: {m['platform']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.\n\n"
+        out.with_suffix(".md").write_text(header + "```\n" + text + "\n```\n")
+    print(json.dumps(r.to_dict()) if args.json else text)
     return 0
+
+
+def _report(r, dtype: str) -> str:
+    verdict = "at the memory wall" if r.step_over_bound <= 1.5 else "above the wall: overhead or compute, not bandwidth"
+    return "\n".join([
+        f"read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s",
+        f"weights read per step   {r.weight_bytes / 1e6:8.1f} MB ({dtype})",
+        f"step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
+        f"measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
+        f"measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
+        "",
+        "forward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):",
+        "  " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
