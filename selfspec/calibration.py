@@ -110,21 +110,27 @@ def time_costs(
 ) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
     + head + argmax; a trained draft head where `heads` has one); a verification per (N, γ) (the last
-    draft's pass through [0, N), then layers [N, L) over γ + 1 tokens, head and argmax). -> (full step seconds, c per N, v per N per γ)."""
+    draft's pass through [0, N), then layers [N, L) over γ + 1 tokens, head and argmax).
+    -> (full step seconds, c per N, v per N per γ)."""
     seq = cache.allocate()
     try:
         batch = cache.prepare([seq], [len(context)])
         model.run_layers(model.embed(torch.tensor([context])), 0, model.num_layers, batch, cache)
         base = seq.length
 
-        def timed(fn) -> float:
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - start)
-                cache.truncate(seq, base)
-            return statistics.median(samples)
+        def once(fn) -> float:
+            start = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - start
+            cache.truncate(seq, base)
+            return seconds
+
+        def step() -> torch.Tensor:
+            return forward(1, 0, model.num_layers, head=True)
+
+        def ratio(fn) -> float:
+            # each sample against a full step timed right beside it: this VM's speed drifts by +-15 %
+            return statistics.median(once(fn) / once(step) for _ in range(repeats))
 
         def forward(tokens: int, start: int, end: int, head: bool) -> torch.Tensor:
             b = cache.prepare([seq], [tokens])
@@ -139,9 +145,10 @@ def time_costs(
             h = model.run_layers(torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype), n, model.num_layers, b, cache)
             model.logits(h).argmax(-1)
 
-        full = timed(lambda: forward(1, 0, model.num_layers, head=True))
-        c = {str(n): timed(lambda: forward(1, 0, n, head=True)) / full for n in draft_layers}
-        v = {str(n): {str(g): timed(lambda: verify(n, g)) / full for g in gammas} for n in draft_layers}
+        once(step)  # warm-up
+        full = statistics.median(once(step) for _ in range(repeats))
+        c = {str(n): ratio(lambda: forward(1, 0, n, head=True)) for n in draft_layers}
+        v = {str(n): {str(g): ratio(lambda: verify(n, g)) for g in gammas} for n in draft_layers}
         return full, c, v
     finally:
         cache.free(seq)
@@ -348,10 +355,13 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
     overall = next(e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures)))
     best_n, _, _ = overall.best()
     jobs = [(overall, best_n, g) for g in plan.gammas]
-    jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0 and e.length_bucket == "all"]
+    jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0]
     out = []
     for est, n, g in jobs:
-        chosen = [q for q in questions if est.category in ("all", q["category"])][: plan.validate_prompts]
+        chosen = [
+            q for q in questions
+            if est.category in ("all", q["category"]) and est.length_bucket in ("all", length_bucket(len(engine.encode(q["turns"][0]))))
+        ][: plan.validate_prompts]
         params = SamplingParams(temperature=est.temperature, max_tokens=plan.new_tokens * 2, ignore_eos=True, seed=plan.seed)
         ratios = []
         for i, q in enumerate(chosen):

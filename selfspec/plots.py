@@ -26,11 +26,14 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for t, e in sorted(overall.items()):
         ax.plot(depths, [e.alpha[str(n)] for n in depths], marker="o", label=f"T={t:g}")
+    for n, head in getattr(profile, "draft_heads", {}).items():  # where a trained head drafts: the plain exit beside it
+        plain = [head["acceptance"][f"{t:g}"]["alpha_plain_exit"] for t in sorted(overall) if f"{t:g}" in head["acceptance"]]
+        ax.plot([int(n)] * len(plain), plain, "kx", label=f"N={n} plain exit (the points above use the {head['kind']} draft head)")
     ax.axvline(profile.knee, color="gray", linestyle="--", label=f"knee N={profile.knee}")
     ax.axvline(profile.best_draft_layers, color="green", linestyle=":", label=f"best predicted speedup N={profile.best_draft_layers}")
     ax.set(xlabel="draft depth N (layers)", ylabel="acceptance per drafted token", title=f"{profile.model}: acceptance vs N", ylim=(0, 1))
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     paths.append(_save(fig, out / "acceptance_vs_depth.png"))
 
     t0 = min(overall)
