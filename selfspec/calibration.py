@@ -222,7 +222,7 @@ class CalibrationPlan:
     temperatures: list[float]
     new_tokens: int = 64
     batch_size: int = 16  # prompts generated together
-    validate_prompts: int = 2  # prompts timed end to end per validated configuration
+    validate_prompts: int = 4  # prompts timed end to end per validated configuration (2 let noise flip a verdict)
     seed: int = 0
 
 
