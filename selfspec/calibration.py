@@ -72,7 +72,7 @@ def teacher_forced_acceptance(
             h = model.run_layers(h, done, n, batch, cache)
             drafts[n] = model.logits(h[0, first:])  # [n, vocab]
             if n in heads:  # the head reads the cache as it stands after this forward (attn: layer N-1)
-                drafts[n], drafts[-n] = heads[n].in_pass(h, batch, cache)[0, first:], drafts[n]
+                drafts[n], drafts[-n] = heads[n].in_pass(h, batch, cache, first)[0], drafts[n]
             done = n
         h = model.run_layers(h, done, model.num_layers, batch, cache)
         target = model.logits(h[0, first:])  # [n, vocab]

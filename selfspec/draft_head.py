@@ -109,9 +109,14 @@ class DraftHead:
         draft logits [B, vocab] of each row's last position."""
         return self.in_pass(h, batch, cache)[:, -1]
 
-    def in_pass(self, h: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
-        """hidden [B, S, hidden] at layer N of a pass described by `batch` -> draft logits [B, S, vocab]."""
-        return self.logits(h, self.context(batch, cache) if self.kind == "attn" else None)
+    def in_pass(self, h: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache, first: int = 0) -> torch.Tensor:
+        """hidden [B, S, hidden] at layer N of a pass described by `batch` -> draft logits
+        [B, S - first, vocab] of the positions from `first` on (the others only as attention keys)."""
+        if self.kind != "attn":
+            return self.logits(h[:, first:])
+        ctx = self.context(batch, cache)
+        mask = None if ctx.mask is None else ctx.mask[:, :, first:]
+        return self.logits(h[:, first:], AttnContext(ctx.k, ctx.v, ctx.cos[:, first:], ctx.sin[:, first:], mask))
 
     def context(self, batch: AttentionBatch, cache: PagedKVCache) -> AttnContext:
         k, v = gather_kv(cache.layers[self.draft_layers - 1], batch)  # each [B, kv_heads, T, head_dim]
