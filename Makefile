@@ -24,6 +24,8 @@ run: setup
 	$(BIN)/selfspec generate "$(PROMPT)" --max-tokens 128
 
 test: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 bench: setup

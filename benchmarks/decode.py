@@ -27,7 +27,7 @@ from machine import describe, markdown  # noqa: E402
 from selfspec import Engine, SamplingParams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DEV_SET = ROOT / ".." / "shared" / "data" / "spec_bench_dev.jsonl"
+DEV_SET = ROOT / "selfspec" / "data" / "spec_bench_dev.jsonl"
 
 
 def dev_prompts(n: int) -> list[dict]:
@@ -132,11 +132,19 @@ def write_results(out_dir: Path, result: dict) -> None:
             f"**{r['median_ratio']:.2f}x** |"
         )
     for r in result["dtypes"]:
-        lines += ["", f"## {r['dtype']}", "", "| question | category | prompt tokens | selfspec | transformers | ratio | identical tokens |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {r['dtype']}",
+            "",
+            "| question | category | prompt tokens | selfspec | transformers | ratio | identical tokens |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in r["rows"]:
             lines.append(
-                f"| {row['question_id']} | {row['category']} | {row['prompt_tokens']} | {row['selfspec_tok_s']:.1f} | "
-                f"{row['transformers_tok_s']:.1f} | {row['ratio']:.2f} | {row['identical_prefix']}/{result['new_tokens']} |"
+                f"| {row['question_id']} | {row['category']} | {row['prompt_tokens']} | "
+                f"{row['selfspec_tok_s']:.1f} | "
+                f"{row['transformers_tok_s']:.1f} | {row['ratio']:.2f} | "
+                f"{row['identical_prefix']}/{result['new_tokens']} |"
             )
     (out_dir / "decode.md").write_text("\n".join(lines) + "\n")
 

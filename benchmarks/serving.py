@@ -32,7 +32,7 @@ from decode import dev_prompts  # noqa: E402
 from machine import describe, markdown  # noqa: E402
 
 from selfspec import Engine  # noqa: E402
-from selfspec.server import create_app  # noqa: E402
+from selfspec.serving.server import create_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,11 @@ def one_request(url: str, body: dict) -> dict:
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - start if stamps else float("nan"), "gaps": [b - a for a, b in zip(stamps, stamps[1:])], "chunks": len(stamps)}
+    return {
+        "ttft": stamps[0] - start if stamps else float("nan"),
+        "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+        "chunks": len(stamps),
+    }
 
 
 def scrape(url: str) -> dict:
@@ -156,7 +160,8 @@ def main() -> None:
             rows.append(r)
             acc = "" if r["acceptance"] is None else f" acceptance {r['acceptance']:.2f}"
             print(
-                f"{mode:6s} x{clients:2d}: {r['output_tokens_per_second']:6.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:6.0f} ms "
+                f"{mode:6s} x{clients:2d}: {r['output_tokens_per_second']:6.1f} tok/s  "
+                f"TTFT p50 {r['ttft_p50_ms']:6.0f} ms "
                 f"p99 {r['ttft_p99_ms']:6.0f} ms  ITL p50 {r['itl_p50_ms']:5.0f} ms p99 {r['itl_p99_ms']:5.0f} ms{acc}",
                 flush=True,
             )
@@ -169,7 +174,11 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests_per_client,
         "spec_on": modes["on"],
-        "policy": {"profile": bool(policy.profile), "max_batch_size": policy.max_batch_size, "temperature_threshold": policy.temperature_threshold},
+        "policy": {
+            "profile": bool(policy.profile),
+            "max_batch_size": policy.max_batch_size,
+            "temperature_threshold": policy.temperature_threshold,
+        },
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,8 @@ from decode import dev_prompts  # noqa: E402
 from machine import describe, markdown  # noqa: E402
 
 from selfspec import Engine, SamplingParams, SpecConfig  # noqa: E402
-from selfspec.engine import SpecStats  # noqa: E402
-from selfspec.speedup import estimate  # noqa: E402
+from selfspec.calibration.speedup import estimate  # noqa: E402
+from selfspec.decoding.engine import SpecStats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +47,7 @@ def top2_gap(engine: Engine, prompt_ids: list[int], prefix: list[int]) -> float:
     req = engine.add_request(prompt_ids + prefix, SamplingParams(temperature=0, max_tokens=1))
     try:
         engine.prefill(req)
-        batch = engine.cache.prepare([req.kv], [1])
-        h = engine.model.run_layers(engine.model.embed(torch.tensor([[req.last_token]])), 0, engine.model.num_layers, batch, engine.cache)
+        h = engine.model.forward(torch.tensor([[req.last_token]]), engine.cache, [req.kv])
         top = engine.model.logits(h[0, -1]).topk(2).values
         return float(top[0] - top[1])
     finally:
@@ -65,7 +64,7 @@ def run_dtype(dtype: str, questions: list[dict], configs: list[SpecConfig], para
         results = {}
         for name, spec in runs if i % 2 == 0 else runs[::-1]:  # alternate the order to cancel drift
             start = time.perf_counter()
-            r = engine.generate(ids, params, spec=spec)
+            r = engine.generate(ids, params, speculation=spec)
             results[name] = (r, time.perf_counter() - start)
         plain, plain_time = results["plain"]
         for name, spec in runs[1:]:
@@ -89,7 +88,8 @@ def run_dtype(dtype: str, questions: list[dict], configs: list[SpecConfig], para
             rows.append(row)
             s = r.stats.spec
             print(
-                f"{dtype:9s} {q['category']:15s} {name:10s} plain {row['plain_tok_s']:5.1f} tok/s  spec {row['spec_tok_s']:5.1f} "
+                f"{dtype:9s} {q['category']:15s} {name:10s} plain {row['plain_tok_s']:5.1f} tok/s  "
+                f"spec {row['spec_tok_s']:5.1f} "
                 f"ratio {row['ratio']:.2f}  alpha {s.acceptance_rate:.2f}  tok/round {s.mean_tokens_per_round:.2f}  "
                 f"c {s.draft_cost_ratio:.2f}  {'identical' if row['identical'] else f'diverges at {first_diff}'}",
                 flush=True,
@@ -152,18 +152,24 @@ def write_results(out_dir: Path, result: dict) -> None:
             "",
             f"## {r['dtype']}",
             "",
-            "| N | γ | category | prompts | measured ratio | α | tokens/round | c | v | predicted E/(γc+1) | predicted E/(γc+v) | identical to plain |",
+            "| N | γ | category | prompts | measured ratio | α | tokens/round | c | v | "
+            "predicted E/(γc+1) | predicted E/(γc+v) | identical to plain |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in r["summary"]:
             lines.append(
                 f"| {s['draft_layers']} | {s['gamma']} | {s['category']} | {s['prompts']} | {s['median_ratio']:.2f} | "
                 f"{s['acceptance']:.3f} | {s['tokens_per_round']:.2f} | {s['c']:.2f} | {s['verify_cost']:.2f} | "
-                f"{s['predicted_speedup']:.2f} | {s['predicted_speedup_measured_verify']:.2f} | {s['identical']}/{s['prompts']} |"
+                f"{s['predicted_speedup']:.2f} | {s['predicted_speedup_measured_verify']:.2f} | "
+                f"{s['identical']}/{s['prompts']} |"
             )
         gaps = [row for row in r["rows"] if "plain_top2_gap_at_divergence" in row]
         if gaps:
-            lines += ["", "First divergences from plain greedy output, with the plain model's top-2 logit gap there:", ""]
+            lines += [
+                "",
+                "First divergences from plain greedy output, with the plain model's top-2 logit gap there:",
+                "",
+            ]
             lines += [
                 f"- q{g['question_id']} ({g['category']}, {g['config']}): token {g['first_divergence']}, "
                 f"gap {g['plain_top2_gap_at_divergence']:.4f}"

@@ -10,8 +10,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
-DEV_SET = SHARED / "data" / "spec_bench_dev.jsonl"
+from selfspec.data import DEV_SET  # noqa: E402  (the Spec-Bench dev prompts, shipped in the package)
 
 
 def dev_prompts(n: int, *, per_category: int = 1) -> list[str]:
@@ -56,7 +55,7 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
 
 @pytest.fixture(scope="session")
 def default_checkpoint() -> Path:
-    from selfspec.loader import resolve_checkpoint
+    from selfspec.model.loader import resolve_checkpoint
 
     return resolve_checkpoint("default")
 
@@ -73,7 +72,11 @@ def tiny_checkpoint(tmp_path_factory, default_checkpoint) -> Path:
     """A random 4-layer llama with the default model's tokenizer, saved as a checkpoint directory."""
     out = tmp_path_factory.mktemp("tiny-llama")
     model = tiny_hf_model(
-        "llama", vocab_size=49152, tie_word_embeddings=True, eos_token_id=2, initializer_range=0.3  # varied text
+        "llama",
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        initializer_range=0.3,  # varied text
     )
     model.save_pretrained(out, safe_serialization=True)
     for f in default_checkpoint.iterdir():
@@ -92,8 +95,8 @@ def tiny_engine(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def small_vocab_model():
     """A random 4-layer llama over 12 tokens: small enough to enumerate exact joint distributions."""
-    from selfspec.config import ModelConfig
-    from selfspec.model import build_model
+    from selfspec.model.config import ModelConfig
+    from selfspec.model.decoder import build_model
 
     hf = tiny_hf_model("llama", vocab_size=12, num_hidden_layers=4, initializer_range=0.4, seed=5)
     return build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, torch.float32)

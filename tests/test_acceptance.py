@@ -4,7 +4,7 @@ and a statistical check that rejection-sampled tokens follow the target distribu
 import pytest
 import torch
 
-from selfspec.acceptance import PLACEHOLDER, greedy_accept, rejection_sample
+from selfspec.decoding.acceptance import PLACEHOLDER, greedy_accept, rejection_sample
 
 
 def one_hot(ids, vocab=8):

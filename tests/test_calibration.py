@@ -8,16 +8,21 @@ import pytest
 import torch
 
 from selfspec import Engine, SamplingParams
-from selfspec.calibration import AcceptanceRecord, confidence_threshold, teacher_forced_acceptance, tokens_per_round
+from selfspec.calibration.calibrate import (
+    AcceptanceRecord,
+    confidence_threshold,
+    teacher_forced_acceptance,
+    tokens_per_round,
+)
 from selfspec.cli.main import main
-from selfspec.profile import Profile
+from selfspec.decoding.profile import Profile
 
 from .conftest import DEV_SET, tiny_hf_model
 from .test_model_parity import ours
 
 
 def test_knee_of_acceptance_curve():
-    from selfspec.calibration import knee
+    from selfspec.calibration.calibrate import knee
 
     flat_then_rising = {"4": 0.05, "8": 0.05, "12": 0.06, "16": 0.1, "20": 0.3, "24": 0.6}
     assert knee(flat_then_rising) == 16
@@ -67,7 +72,7 @@ def test_teacher_forced_acceptance_is_exact():
 def test_teacher_forced_acceptance_with_a_draft_head(kind):
     """With a head at N, N's acceptance is the head's (equal to drafting with it step by step) and
     the plain exit's is kept beside it."""
-    from selfspec.draft_head import build, new_adapter
+    from selfspec.decoding.head import build, new_adapter
 
     model = ours(tiny_hf_model("llama", vocab_size=64, num_hidden_layers=4, initializer_range=0.3))
     torch.manual_seed(1)
@@ -86,11 +91,11 @@ def test_teacher_forced_acceptance_with_a_draft_head(kind):
     for i, t in enumerate(tokens[:-1]):
         batch = cache.prepare([seq], [1])
         if i < len(prompt) - 1:  # the prompt's own positions: cache only
-            model.run_layers(model.embed(torch.tensor([[t]])), 0, model.num_layers, batch, cache)
+            model.forward(torch.tensor([[t]]), cache, batch=batch)
         else:
-            h2 = model.run_layers(model.embed(torch.tensor([[t]])), 0, 2, batch, cache)
+            h2 = model.forward(torch.tensor([[t]]), cache, end=2, batch=batch)
             draft = head.draft(h2, batch, cache).argmax(-1)
-            full = model.logits(model.run_layers(h2, 2, model.num_layers, batch, cache)[:, -1]).argmax(-1)
+            full = model.logits(model.forward(h2, cache, start=2, batch=batch)[:, -1]).argmax(-1)
             stepwise.append(float(draft == full))
     assert accept["2"] == stepwise
 
@@ -98,9 +103,28 @@ def test_teacher_forced_acceptance_with_a_draft_head(kind):
 @pytest.fixture(scope="module")
 def calibrated(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("calib")
-    argv = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "1:3:1",
-            "--gammas", "1-3", "--temperatures", "0,0.7", "--per-category", "1", "--new-tokens", "12",
-            "--out", str(out / "profile.json"), "--plot", str(out / "plots"), "--json"]
+    argv = [
+        "calibrate",
+        "--model",
+        str(tiny_checkpoint),
+        "--data",
+        str(DEV_SET),
+        "--draft-layers",
+        "1:3:1",
+        "--gammas",
+        "1-3",
+        "--temperatures",
+        "0,0.7",
+        "--per-category",
+        "1",
+        "--new-tokens",
+        "12",
+        "--out",
+        str(out / "profile.json"),
+        "--plot",
+        str(out / "plots"),
+        "--json",
+    ]
     assert main(argv) == 0
     return out, argv
 
@@ -124,7 +148,7 @@ def test_calibrate_writes_profile_and_plots(calibrated, capsys):
 
 def test_calibrate_resumes_from_partial_results(calibrated, monkeypatch, capsys):
     out, argv = calibrated
-    from selfspec import calibration
+    from selfspec.calibration import calibrate as calibration
 
     def boom(*a, **k):
         raise AssertionError("measured again")
@@ -142,17 +166,19 @@ def test_engine_follows_its_profile(calibrated, tiny_checkpoint):
     engine = Engine.from_pretrained(str(tiny_checkpoint), profile=profile)
     r = engine.generate("hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), category="qa")
     assert r.stats.spec_policy.startswith("on: bucket qa/0-63/T=0 measured 1.50x") and r.stats.spec is not None
-    plain = engine.generate("hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), spec=None)
+    plain = engine.generate("hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), speculation=None)
     assert r.token_ids == plain.token_ids and plain.stats.spec_policy == "off: disabled by the request"
     hot = engine.generate("hello", SamplingParams(temperature=0.95, max_tokens=20))
     assert hot.stats.spec is None and hot.stats.spec_policy.startswith("off: temperature 0.95 > threshold")
 
 
 def test_adaptive_draft_stop(tiny_checkpoint):
-    from selfspec.speculative import SpecConfig
+    from selfspec.decoding.round import SpecConfig
 
     engine = Engine.from_pretrained(str(tiny_checkpoint))
-    req = engine.add_request(engine.encode("hi"), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), SpecConfig(2, 5))
+    req = engine.add_request(
+        engine.encode("hi"), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), SpecConfig(2, 5)
+    )
     req.confidence_threshold = 1.01  # no draft is ever that confident: every round stops after one draft
     while not req.finished:
         engine.step(req)
@@ -166,13 +192,26 @@ def test_calibrate_bad_arguments(capsys, tiny_checkpoint, tmp_path):
     assert "--data /nope.jsonl: no such file" in capsys.readouterr().err
     assert main(["calibrate", "--data", str(DEV_SET), "--gammas", "a-b", "--out", "x"]) == 2
     assert "'a-b' is not a list of integers" in capsys.readouterr().err
-    args = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "2:6:2", "--out", str(tmp_path / "p.json")]
+    args = [
+        "calibrate",
+        "--model",
+        str(tiny_checkpoint),
+        "--data",
+        str(DEV_SET),
+        "--draft-layers",
+        "2:6:2",
+        "--out",
+        str(tmp_path / "p.json"),
+    ]
     assert main(args) == 2
     assert "this model has 4 layers" in capsys.readouterr().err
 
 
 def test_roofline_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
-    assert main(["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--json", "--out", str(tmp_path / "roof")]) == 0
+    assert (
+        main(["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--json", "--out", str(tmp_path / "roof")])
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["bandwidth_gb_s"] > 0 and r["weight_bytes"] > 0 and r["step_ms"] > 0
     assert set(r["k_costs"]) == {"1", "2", "3", "4"} and r["k_costs"]["1"] == 1.0
@@ -182,8 +221,20 @@ def test_roofline_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
 
 def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
     prefix = tmp_path / "bench"
-    argv = ["bench", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--compare", "plain,selfspec:2:2,hf,hf-prompt-lookup",
-            "--max-tokens", "16", "--out", str(prefix), "--json"]
+    argv = [
+        "bench",
+        "--model",
+        str(tiny_checkpoint),
+        "--data",
+        str(DEV_SET),
+        "--compare",
+        "plain,selfspec:2:2,hf,hf-prompt-lookup",
+        "--max-tokens",
+        "16",
+        "--out",
+        str(prefix),
+        "--json",
+    ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     overall = {s["method"]: s for s in summary if s["category"] == "all"}
@@ -198,7 +249,7 @@ def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
 
 def test_calibrate_with_a_draft_head(tiny_checkpoint, tmp_path, capsys):
     """--draft-head: its depth is calibrated with the head, and the profile keeps α with and without it."""
-    from selfspec.draft_head import build, new_adapter
+    from selfspec.decoding.head import build, new_adapter
 
     model = Engine.from_pretrained(str(tiny_checkpoint)).model
     torch.manual_seed(2)
@@ -209,9 +260,28 @@ def test_calibrate_with_a_draft_head(tiny_checkpoint, tmp_path, capsys):
     held = [str(json.loads(line)["question_id"]) for line in DEV_SET.read_text().splitlines()[:40:13]]
     meta = {"heldout_question_ids": held}
     build(model, 2, adapter, torch.arange(0, model.config.vocab_size, 2), meta).save(tmp_path / "head.safetensors")
-    argv = ["calibrate", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--draft-layers", "1:2:1",
-            "--gammas", "1-2", "--temperatures", "0", "--per-category", "3", "--new-tokens", "8",
-            "--out", str(tmp_path / "profile.json"), "--draft-head", str(tmp_path / "head.safetensors"), "--json"]
+    argv = [
+        "calibrate",
+        "--model",
+        str(tiny_checkpoint),
+        "--data",
+        str(DEV_SET),
+        "--draft-layers",
+        "1:2:1",
+        "--gammas",
+        "1-2",
+        "--temperatures",
+        "0",
+        "--per-category",
+        "3",
+        "--new-tokens",
+        "8",
+        "--out",
+        str(tmp_path / "profile.json"),
+        "--draft-head",
+        str(tmp_path / "head.safetensors"),
+        "--json",
+    ]
     assert main(argv) == 0
     capsys.readouterr()
     profile = Profile.load(tmp_path / "profile.json")
@@ -228,21 +298,39 @@ def test_calibrate_with_a_draft_head(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_bench_heldout_only_uses_the_heads_heldout_prompts(tiny_checkpoint, tmp_path, capsys):
-    from selfspec.draft_head import build, new_adapter
+    from selfspec.decoding.head import build, new_adapter
 
     model = Engine.from_pretrained(str(tiny_checkpoint)).model
     ids = [json.loads(line)["question_id"] for line in DEV_SET.read_text().splitlines()[:40:13]]  # 4 prompts
     head = build(model, 2, new_adapter(model, "affine"), None, {"heldout_question_ids": [str(i) for i in ids]})
     head.save(tmp_path / "head.safetensors")
     prefix = tmp_path / "bench"
-    argv = ["bench", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--compare", "plain,selfspec:2:1,selfspec:2:1:exit",
-            "--max-tokens", "8", "--draft-head", str(tmp_path / "head.safetensors"), "--heldout-only",
-            "--per-category", "100", "--out", str(prefix), "--json"]
+    argv = [
+        "bench",
+        "--model",
+        str(tiny_checkpoint),
+        "--data",
+        str(DEV_SET),
+        "--compare",
+        "plain,selfspec:2:1,selfspec:2:1:exit",
+        "--max-tokens",
+        "8",
+        "--draft-head",
+        str(tmp_path / "head.safetensors"),
+        "--heldout-only",
+        "--per-category",
+        "100",
+        "--out",
+        str(prefix),
+        "--json",
+    ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     overall = {s["method"]: s for s in summary if s["category"] == "all"}
     assert overall["selfspec:2:1"]["identical"] == overall["selfspec:2:1:exit"]["identical"] == 4
     meta = json.loads(prefix.with_suffix(".json").read_text())["meta"]
-    assert meta["questions"] == [str(i) for i in ids] and meta["draft_heads"] == {"2": {"kind": "affine", "vocab_subset": 0}}
+    assert meta["questions"] == [str(i) for i in ids] and meta["draft_heads"] == {
+        "2": {"kind": "affine", "vocab_subset": 0}
+    }
     assert main(argv[:-8] + ["--no-draft-head", "--heldout-only", "--out", str(prefix)]) == 2
     assert "no draft head with held-out prompts" in capsys.readouterr().err

@@ -39,7 +39,9 @@ def test_bad_arguments_exit_2_with_one_line(argv, needle, capsys):
 def test_bad_argument_in_a_real_process():
     p = subprocess.run(SELFSPEC + ["generate", "hi", "--top-p", "0"], capture_output=True, text=True)
     assert p.returncode == 2
-    assert p.stderr.strip() == "selfspec generate: error: top_p=0.0 is invalid: use a number in (0, 1] (1 turns top-p off)"
+    assert (
+        p.stderr.strip() == "selfspec generate: error: top_p=0.0 is invalid: use a number in (0, 1] (1 turns top-p off)"
+    )
 
 
 def test_help_lists_options(capsys):
@@ -47,14 +49,25 @@ def test_help_lists_options(capsys):
         main(["generate", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--dtype", "--raw", "--json"):
+    for flag in (
+        "--model",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--seed",
+        "--dtype",
+        "--raw",
+        "--json",
+    ):
         assert flag in out
     assert main(["--help"]) == 0
 
 
 def test_generate_json_on_tiny_model(tiny_checkpoint):
     p = subprocess.run(
-        SELFSPEC + ["generate", "hello", "--model", str(tiny_checkpoint), "--max-tokens", "6", "--ignore-eos", "--json"],
+        SELFSPEC
+        + ["generate", "hello", "--model", str(tiny_checkpoint), "--max-tokens", "6", "--ignore-eos", "--json"],
         capture_output=True,
         text=True,
     )
@@ -78,17 +91,36 @@ def test_generate_text_default_model_from_stdin():
 
 
 def test_generate_speculative_json_on_tiny_model(tiny_checkpoint):
-    base = SELFSPEC + ["generate", "hello", "--model", str(tiny_checkpoint), "--max-tokens", "12", "--ignore-eos", "--json"]
+    base = SELFSPEC + [
+        "generate",
+        "hello",
+        "--model",
+        str(tiny_checkpoint),
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ]
     plain = json.loads(subprocess.run(base, capture_output=True, text=True, check=True).stdout)
     p = subprocess.run(base + ["--draft-layers", "2", "--gamma", "3"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["token_ids"] == plain["token_ids"] and plain["stats"]["spec"] is None
     spec = out["stats"]["spec"]
-    for key in ("rounds", "drafted", "accepted", "accepted_per_position", "acceptance_rate", "mean_tokens_per_round", "draft_cost_ratio"):
+    for key in (
+        "rounds",
+        "drafted",
+        "accepted",
+        "accepted_per_position",
+        "acceptance_rate",
+        "mean_tokens_per_round",
+        "draft_cost_ratio",
+    ):
         assert key in spec
     assert spec["draft_layers"] == 2 and spec["num_speculative_tokens"] == 3
-    off = json.loads(subprocess.run(base + ["--draft-layers", "2", "--no-speculate"], capture_output=True, text=True).stdout)
+    off = json.loads(
+        subprocess.run(base + ["--draft-layers", "2", "--no-speculate"], capture_output=True, text=True).stdout
+    )
     assert off["stats"]["spec"] is None
 
 
@@ -99,8 +131,21 @@ def test_generate_bad_draft_depth_for_model(tiny_checkpoint, capsys):
 
 def test_check_distribution_on_tiny_model(tiny_checkpoint):
     p = subprocess.run(
-        SELFSPEC + ["check-distribution", "--model", str(tiny_checkpoint), "--draft-layers", "2", "--gamma", "2",
-                    "--samples", "200", "--new-tokens", "3", "--json"],
+        SELFSPEC
+        + [
+            "check-distribution",
+            "--model",
+            str(tiny_checkpoint),
+            "--draft-layers",
+            "2",
+            "--gamma",
+            "2",
+            "--samples",
+            "200",
+            "--new-tokens",
+            "3",
+            "--json",
+        ],
         capture_output=True,
         text=True,
     )

@@ -29,7 +29,7 @@ def test_greedy_matches_transformers(default_engine, hf_default, prompt):
 
 
 def test_cache_is_reused_on_second_load(default_checkpoint, monkeypatch):
-    from selfspec import loader
+    from selfspec.model import loader
 
     def boom(*a, **k):
         raise AssertionError("dequantized the GGUF again")

@@ -1,4 +1,4 @@
-from selfspec.detokenizer import TextStream
+from selfspec.decoding.detokenizer import TextStream
 
 
 def stream(tokenizer, text: str, stop=()):

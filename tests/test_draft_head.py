@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from selfspec import Engine, SamplingParams, SelfspecError, SpecConfig
-from selfspec.draft_head import Adapter, build, load, new_adapter
-from selfspec.distribution import sample_continuations
-from selfspec.train_draft import TrainConfig, prepare_data, train_one
+from selfspec.calibration.distill import TrainConfig, prepare_data, train_one
+from selfspec.calibration.distribution import sample_continuations
+from selfspec.decoding.head import Adapter, HeadDrafter, build, load, new_adapter
 
 from .conftest import tiny_hf_model
 from .test_model_parity import ours
@@ -26,11 +26,15 @@ def random_adapter(model, kind: str, seed: int = 0) -> Adapter:
 
 def test_save_load_round_trip_and_fingerprint(tmp_path, tiny_checkpoint):
     engine = Engine.from_pretrained(str(tiny_checkpoint))
-    head = build(engine.model, 2, random_adapter(engine.model, "mlp"), torch.arange(0, 49152, 7), {"training_command": "test"})
+    head = build(
+        engine.model, 2, random_adapter(engine.model, "mlp"), torch.arange(0, 49152, 7), {"training_command": "test"}
+    )
     head.save(tmp_path / "h.safetensors")
     again = load(tmp_path / "h.safetensors", engine.model)
     assert again.kind == "mlp" and again.draft_layers == 2 and torch.equal(again.vocab, head.vocab)
-    assert again.metadata["training_command"] == "test" and again.metadata["base_fingerprint"] == engine.model.fingerprint
+    assert (
+        again.metadata["training_command"] == "test" and again.metadata["base_fingerprint"] == engine.model.fingerprint
+    )
     h = torch.randn(3, 64)
     assert torch.equal(again.logits(h), head.logits(h))
     assert torch.isinf(head.logits(h)[:, 1]).all()  # token 1 is outside the subset: q = 0 there
@@ -49,8 +53,8 @@ def test_greedy_exact_with_adapter_and_reduced_vocab(tiny_checkpoint, kind):
     head = build(plain_engine.model, 2, random_adapter(plain_engine.model, kind, seed=3), torch.arange(0, 49152, 3))
     engine = Engine.from_pretrained(str(tiny_checkpoint), draft_head=head)
     for prompt in ("hello", "The quick brown fox"):
-        plain = plain_engine.generate(prompt, greedy, spec=None)
-        spec = engine.generate(prompt, greedy, spec=SpecConfig(2, 3))
+        plain = plain_engine.generate(prompt, greedy, speculation=None)
+        spec = engine.generate(prompt, greedy, speculation=SpecConfig(2, 3))
         assert spec.token_ids == plain.token_ids and spec.stats.spec.rounds > 0
 
 
@@ -66,7 +70,9 @@ def test_sampled_distribution_exact_with_adapter_and_reduced_vocab(small_vocab_m
     head = build(model, 1, random_adapter(model, kind, seed=5), torch.tensor([0, 2, 3, 5, 8, 11]))
     joint = exact_joint(model, prompt, params).double()
     cache = model.new_cache(150_000, block_size=4)
-    samples = sample_continuations(model, cache, prompt, params, SpecConfig(1, 2), n, 2, seed=4, chunk=5000, draft_logits=head.draft)
+    samples = sample_continuations(
+        model, cache, prompt, params, SpecConfig(1, 2), n, 2, seed=4, chunk=5000, drafter=HeadDrafter(head)
+    )
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for a, b in samples:
         counts[a, b] += 1
@@ -83,7 +89,17 @@ def test_sampled_distribution_exact_with_adapter_and_reduced_vocab(small_vocab_m
 def test_training_smoke_lowers_heldout_loss(tiny_checkpoint, kind):
     engine = Engine.from_pretrained(str(tiny_checkpoint))
     prompts = [engine.encode(f"Question {i}: what is {i} plus {i}?") for i in range(24)]
-    cfg = TrainConfig(draft_layers=[2], kinds=[kind], vocab_subset=0, rank=64, steps=200, batch_size=128, lr=3e-3, new_tokens=24, prompt_positions=32)
+    cfg = TrainConfig(
+        draft_layers=[2],
+        kinds=[kind],
+        vocab_subset=0,
+        rank=64,
+        steps=200,
+        batch_size=128,
+        lr=3e-3,
+        new_tokens=24,
+        prompt_positions=32,
+    )
     data = prepare_data(engine.model, prompts, set(engine.eos_token_ids), cfg, log=lambda m: None)
     r = train_one(engine.model, 2, kind, data, cfg, {"test": True})
     assert r.heldout["loss"] < r.baseline["loss"] - 0.05, (r.baseline, r.heldout)
@@ -96,8 +112,7 @@ def test_training_smoke_lowers_heldout_loss(tiny_checkpoint, kind):
 def test_attn_draft_reads_the_same_context_as_training(tiny_checkpoint):
     """The attn head's drafting call (layer N-1's keys from the paged cache, after a prefill and with
     earlier rounds rolled back) equals its teacher-forced form that training and evaluation use."""
-    from selfspec.batch import prefill
-    from selfspec.train_draft import attn_context, collect
+    from selfspec.calibration.distill import attn_context, collect
 
     model = Engine.from_pretrained(str(tiny_checkpoint)).model
     head = build(model, 2, random_adapter(model, "attn", seed=7), None)
@@ -106,23 +121,25 @@ def test_attn_draft_reads_the_same_context_as_training(tiny_checkpoint):
     reference = head.logits(data.hidden[2][None], attn_context(model, data, 2, 0, model.dtype))[0]  # [9, vocab]
     cache = model.new_cache(64, block_size=4)
     seq = cache.allocate()
-    prefill(model, cache, seq, tokens[:5])
-    prefill(model, cache, seq, [1, 2, 3])  # a rejected round's entries ...
+    model.prefill(cache, seq, tokens[:5])
+    model.prefill(cache, seq, [1, 2, 3])  # a rejected round's entries ...
     cache.truncate(seq, 5)  # ... rolled back by a length edit
     for i in range(5, 9):
         batch = cache.prepare([seq], [1])
-        h = model.run_layers(model.embed(torch.tensor([[tokens[i]]])), 0, 2, batch, cache)
+        h = model.forward(torch.tensor([[tokens[i]]]), cache, end=2, batch=batch)
         torch.testing.assert_close(head.draft(h, batch, cache)[0], reference[i], rtol=1e-4, atol=1e-4)
         cache.truncate(seq, i)
-        prefill(model, cache, seq, [tokens[i]])
+        model.prefill(cache, seq, [tokens[i]])
 
 
 def test_work_directory_refuses_other_settings(tmp_path):
-    from selfspec.train_draft import _check_work_config
+    from selfspec.calibration.distill import _check_work_config
 
     cfg = TrainConfig(draft_layers=[2], kinds=["mlp"], vocab_subset=512)
     _check_work_config(tmp_path, cfg)
-    _check_work_config(tmp_path, TrainConfig(draft_layers=[2, 3], kinds=["attn"], vocab_subset=512))  # more N, kinds: fine
+    _check_work_config(
+        tmp_path, TrainConfig(draft_layers=[2, 3], kinds=["attn"], vocab_subset=512)
+    )  # more N, kinds: fine
     with pytest.raises(SelfspecError, match="vocab_subset=512.*use another --out"):
         _check_work_config(tmp_path, TrainConfig(draft_layers=[2], kinds=["mlp"], vocab_subset=0))
 
@@ -135,18 +152,48 @@ def test_train_draft_cli(tiny_checkpoint, tmp_path, capsys):
     from .conftest import DEV_SET
 
     out = tmp_path / "head.safetensors"
-    argv = ["train-draft", "--model", str(tiny_checkpoint), "--data", str(DEV_SET), "--max-prompts", "12",
-            "--draft-layers", "1,2", "--kind", "affine,attn", "--steps", "20", "--batch-size", "64", "--new-tokens", "8",
-            "--vocab-subset", "4096", "--out", str(out), "--plot", str(tmp_path / "train.png"), "--json"]
+    argv = [
+        "train-draft",
+        "--model",
+        str(tiny_checkpoint),
+        "--data",
+        str(DEV_SET),
+        "--max-prompts",
+        "12",
+        "--draft-layers",
+        "1,2",
+        "--kind",
+        "affine,attn",
+        "--steps",
+        "20",
+        "--batch-size",
+        "64",
+        "--new-tokens",
+        "8",
+        "--vocab-subset",
+        "4096",
+        "--out",
+        str(out),
+        "--plot",
+        str(tmp_path / "train.png"),
+        "--json",
+    ]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert sorted((r["draft_layers"], r["kind"]) for r in report["results"]) == [(1, "affine"), (1, "attn"), (2, "affine"), (2, "attn")]
+    assert sorted((r["draft_layers"], r["kind"]) for r in report["results"]) == [
+        (1, "affine"),
+        (1, "attn"),
+        (2, "affine"),
+        (2, "attn"),
+    ]
     assert all(r["choice"]["predicted_speedup"] > 0 and r["full_vocab"]["positions"] > 0 for r in report["results"])
     head = load(out, Engine.from_pretrained(str(tiny_checkpoint)).model)
     assert head.metadata["heldout_question_ids"] and "train-draft" in head.metadata["training_command"]
     assert (tmp_path / "train.png").stat().st_size > 0
     assert main(argv) == 0  # resumes: every head is already trained
-    assert [r["heldout"] for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]] == [r["heldout"] for r in report["results"]]
+    assert [r["heldout"] for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]] == [
+        r["heldout"] for r in report["results"]
+    ]
     assert main(argv[:-3] + ["--vocab-subset", "0", "--json"]) == 2  # other settings, same work directory
     assert "use another --out" in capsys.readouterr().err
     assert main(["train-draft", "--data", str(DEV_SET), "--kind", "lstm", "--out", str(out)]) == 2

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from selfspec.errors import CacheFullError
-from selfspec.kv_cache import NULL_BLOCK, PagedKVCache
+from selfspec.model.cache import NULL_BLOCK, PagedKVCache
 
 
 def make(num_blocks=9, block_size=4) -> PagedKVCache:

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from selfspec.errors import ModelLoadError
-from selfspec.loader import load, parse_dtype, resolve_checkpoint
+from selfspec.model.loader import load, parse_dtype, resolve_checkpoint
 
 
 def test_missing_path(tmp_path):

@@ -4,8 +4,8 @@ one-token decoding, hidden states at exit layers, and batched vs single-sequence
 import pytest
 import torch
 
-from selfspec.config import ModelConfig
-from selfspec.model import DecoderModel, build_model
+from selfspec.model.config import ModelConfig
+from selfspec.model.decoder import DecoderModel, build_model
 
 from .conftest import tiny_hf_model
 
@@ -42,8 +42,7 @@ def ours(hf, dtype=torch.float32) -> DecoderModel:
 
 
 def run(model: DecoderModel, cache, seq, tokens: list[int], end: int | None = None) -> torch.Tensor:
-    batch = cache.prepare([seq], [len(tokens)])
-    h = model.run_layers(model.embed(torch.tensor([tokens])), 0, end or model.num_layers, batch, cache)
+    h = model.forward(torch.tensor([tokens]), cache, [seq], end=end)
     return h if end is not None else model.logits(h)
 
 
@@ -100,8 +99,8 @@ def test_layer_ranges_compose():
     whole = run(model, cache, cache.allocate(), tokens)
     seq = cache.allocate()
     batch = cache.prepare([seq], [len(tokens)])
-    h = model.run_layers(model.embed(torch.tensor([tokens])), 0, 2, batch, cache)
-    h = model.run_layers(h, 2, model.num_layers, batch, cache)
+    h = model.forward(torch.tensor([tokens]), cache, end=2, batch=batch)
+    h = model.forward(h, cache, start=2, batch=batch)
     assert torch.equal(model.logits(h), whole)
 
 
@@ -116,14 +115,12 @@ def test_batched_forward_matches_single():
         seq = cache.allocate()
         singles.append((run(model, cache, seq, p[:-1]), run(model, cache, seq, p[-1:])[0, -1]))
     seqs = [cache.allocate() for _ in prompts]
-    batch = cache.prepare(seqs, [len(p) - 1 for p in prompts])
     width = max(len(p) - 1 for p in prompts)
     tokens = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts])
-    logits = model.logits(model.run_layers(model.embed(tokens), 0, model.num_layers, batch, cache))
+    logits = model.logits(model.forward(tokens, cache, seqs, counts=[len(p) - 1 for p in prompts]))
     for b, p in enumerate(prompts):
         torch.testing.assert_close(logits[b, : len(p) - 1], singles[b][0][0], atol=1e-5, rtol=1e-5)
-    batch = cache.prepare(seqs, [1, 1, 1])  # one decode step for all three, different lengths
-    step = model.logits(model.run_layers(model.embed(torch.tensor([[p[-1]] for p in prompts])), 0, 4, batch, cache))
+    step = model.logits(model.forward(torch.tensor([[p[-1]] for p in prompts]), cache, seqs))  # different lengths
     for b in range(3):
         torch.testing.assert_close(step[b, 0], singles[b][1], atol=1e-5, rtol=1e-5)
 

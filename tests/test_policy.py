@@ -1,8 +1,8 @@
 import pytest
 
+from selfspec.decoding.policy import SpecOverride, SpecPolicy
+from selfspec.decoding.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket
 from selfspec.errors import SelfspecError
-from selfspec.policy import SpecOverride, SpecPolicy
-from selfspec.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket
 
 
 def bucket(cat, lb, t, n, g, predicted, measured=None):
@@ -18,9 +18,20 @@ def synthetic_profile(**kw) -> Profile:
         bucket("math", "0-63", 0.0, 8, 2, 0.8),
     ]
     base = dict(
-        model="synthetic", fingerprint="abc", num_layers=30, dtype="float32", machine={}, temperatures=[0.0, 0.3],
-        draft_layers=[8, 10, 12], draft_cost={"8": 0.3, "10": 0.35, "12": 0.4}, verify_cost={"10": {"3": 0.5}},
-        buckets=buckets, knee=10, best_draft_layers=10, temperature_threshold=0.5, confidence_threshold=0.2,
+        model="synthetic",
+        fingerprint="abc",
+        num_layers=30,
+        dtype="float32",
+        machine={},
+        temperatures=[0.0, 0.3],
+        draft_layers=[8, 10, 12],
+        draft_cost={"8": 0.3, "10": 0.35, "12": 0.4},
+        verify_cost={"10": {"3": 0.5}},
+        buckets=buckets,
+        knee=10,
+        best_draft_layers=10,
+        temperature_threshold=0.5,
+        confidence_threshold=0.2,
     )
     base.update(kw)
     return Profile(**base)
@@ -53,39 +64,46 @@ def test_profile_version_and_garbage(tmp_path):
 
 def test_length_buckets():
     assert [length_bucket(n) for n in (0, 63, 64, 255, 256, 1023, 1024, 9999)] == [
-        "0-63", "0-63", "64-255", "64-255", "256-1023", "256-1023", "1024+", "1024+",
+        "0-63",
+        "0-63",
+        "64-255",
+        "64-255",
+        "256-1023",
+        "256-1023",
+        "1024+",
+        "1024+",
     ]
 
 
 def test_policy_switches_on_from_bucket():
     d = decide(SpecPolicy(synthetic_profile()), category="qa")
-    assert (d.spec.draft_layers, d.spec.num_speculative_tokens) == (12, 4)
+    assert (d.config.draft_layers, d.config.num_speculative_tokens) == (12, 4)
     assert d.reason == "on: bucket qa/all/T=0 measured 1.40x with N=12, gamma=4" and d.confidence_threshold == 0.2
     d = decide(SpecPolicy(synthetic_profile()), category="unknown-category")  # falls back to all/all
-    assert d.spec.draft_layers == 10 and "all/all/T=0 predicted 1.30x" in d.reason
+    assert d.config.draft_layers == 10 and "all/all/T=0 predicted 1.30x" in d.reason
 
 
 def test_policy_switches_off_and_says_why():
     policy = SpecPolicy(synthetic_profile())
     assert decide(policy, temperature=0.9).reason == "off: temperature 0.9 > threshold 0.5"
     assert decide(policy, max_tokens=4).reason == "off: max_tokens 4 < 16, too short to pay"
-    assert decide(policy, batch_size=9).reason == "off: batch size 9 > 8, compute is saturated"
+    assert policy.allows_batch(8) and not policy.allows_batch(9)  # the scheduler turns speculation off above 8
     d = decide(policy, category="translation")
-    assert d.spec is None and d.reason == "off: bucket translation/all/T=0 measured 0.90x at best (N=10, gamma=3)"
+    assert d.config is None and d.reason == "off: bucket translation/all/T=0 measured 0.90x at best (N=10, gamma=3)"
     d = decide(policy, category="math", prompt_tokens=10)
-    assert d.spec is None and "predicted 0.80x" in d.reason
+    assert d.config is None and "predicted 0.80x" in d.reason
     d = decide(SpecPolicy(None))
-    assert d.spec is None and "no calibration profile" in d.reason
+    assert d.config is None and "no calibration profile" in d.reason
     assert decide(SpecPolicy(None), temperature=0.8).reason == "off: temperature 0.8 > threshold 0.7"
 
 
 def test_request_override():
     policy = SpecPolicy(synthetic_profile())
-    assert decide(policy, override=SpecOverride(enabled=False), category="qa").spec is None
+    assert decide(policy, override=SpecOverride(enabled=False), category="qa").config is None
     d = decide(policy, override=SpecOverride(enabled=True), temperature=0.9)  # forced on despite the threshold
-    assert d.spec.draft_layers == 10 and d.reason.startswith("on: requested")
+    assert d.config.draft_layers == 10 and d.reason.startswith("on: requested")
     d = decide(SpecPolicy(None), override=SpecOverride(draft_layers=6, num_speculative_tokens=2))
-    assert (d.spec.draft_layers, d.spec.num_speculative_tokens) == (6, 2)
+    assert (d.config.draft_layers, d.config.num_speculative_tokens) == (6, 2)
     with pytest.raises(ValueError, match="num_speculative_tokens=99"):
         SpecOverride(num_speculative_tokens=99)
     with pytest.raises(ValueError, match="enabled='yes'"):

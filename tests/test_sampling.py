@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from selfspec.sampling import SamplingParams, make_generator, next_token, process_logits
+from selfspec.decoding.sampling import SamplingParams, make_generator, process_logits, sample_rows
 
 BAD = [
     ({"temperature": -0.5}, "temperature=-0.5"),
@@ -39,7 +39,8 @@ def test_greedy_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.9]])
     probs = process_logits(logits, SamplingParams(temperature=0))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
-    assert next_token(logits, SamplingParams(temperature=0), None).tolist() == [1]
+    ids, probs = sample_rows(logits, [SamplingParams(temperature=0)], [None])
+    assert ids.tolist() == [1] and probs is None  # greedy rows skip the probabilities
 
 
 def test_temperature_top_k_top_p():
@@ -60,12 +61,14 @@ def test_sampling_follows_distribution_and_seed():
     """60k draws: total-variation distance to the target below 0.02 (the expected TV of an exact sampler is
     ~0.004 here; 0.02 is over 10 standard deviations away, so a false failure has probability < 1e-9)."""
     target = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.05])
-    logits = torch.log(target)[None].expand(60000, -1)
+    n = 60000
+    logits = torch.log(target)[None].expand(n, -1)
     params = SamplingParams(temperature=1.0, seed=123)
-    ids = next_token(logits, params, make_generator(params.seed))
+    gens = [make_generator(params.seed + i) for i in range(n)]  # one generator per row, as in decoding
+    ids, _ = sample_rows(logits, [params] * n, gens)
     freq = torch.bincount(ids, minlength=5).float() / ids.numel()
     assert 0.5 * (freq - target).abs().sum() < 0.02
-    again = next_token(logits, params, make_generator(params.seed))
+    again, _ = sample_rows(logits, [params] * n, [make_generator(params.seed + i) for i in range(n)])
     assert torch.equal(ids, again)
 
 

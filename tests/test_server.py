@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from selfspec import Engine, SamplingParams
-from selfspec.server import create_app
+from selfspec.serving.server import create_app
 
 MODEL = "tiny"
 
@@ -77,7 +77,9 @@ def test_openai_client_completions_chat_and_streaming(live, engine):
     assert [m.id for m in client.models.list().data] == [MODEL]
     c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens >= 1
-    expected = engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8), chat=False, spec=None)
+    expected = engine.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=8), chat=False, speculation=None
+    )
     assert c.choices[0].text == expected.text
     messages = [{"role": "user", "content": "Say something."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
@@ -87,7 +89,10 @@ def test_openai_client_completions_chat_and_streaming(live, engine):
     pieces = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
     assert "".join(pieces) == text
     spec = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, temperature=0,
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
         extra_body={"speculative": {"enabled": True, "draft_layers": 2, "num_speculative_tokens": 3}},
     )
     assert spec.choices[0].message.content == text  # lossless
@@ -99,7 +104,14 @@ def test_openai_client_completions_chat_and_streaming(live, engine):
 
 
 def test_sse_format_ends_with_done(live):
-    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "abc",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", live.url("/v1/completions"), json=body, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
@@ -113,11 +125,20 @@ def test_simultaneous_mixed_requests(live, engine):
     jobs = []
     for i in range(18):
         greedy = i % 3 != 0
-        body = {"model": MODEL, "max_tokens": 6 + i % 5, "temperature": 0 if greedy else 0.9, "seed": i, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "max_tokens": 6 + i % 5,
+            "temperature": 0 if greedy else 0.9,
+            "seed": i,
+            "ignore_eos": True,
+        }
         if i % 2:
             body["speculative"] = {"enabled": True, "draft_layers": 1 + i % 3, "num_speculative_tokens": 1 + i % 4}
         if i % 4 == 0:
-            body["messages"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}?"}]
+            body["messages"] = [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": f"Question {i}?"},
+            ]
         else:
             body["prompt"] = f"Request number {i} says"
         jobs.append(body)
@@ -136,10 +157,18 @@ def test_simultaneous_mixed_requests(live, engine):
         assert data["usage"]["completion_tokens"] == body["max_tokens"]
         if body["temperature"] == 0:  # greedy: equal to the request decoded alone
             if "messages" in body:
-                alone = engine.generate([{"role": m["role"], "content": m["content"]} for m in body["messages"]],
-                                        SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True), spec=None)
+                alone = engine.generate(
+                    [{"role": m["role"], "content": m["content"]} for m in body["messages"]],
+                    SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True),
+                    speculation=None,
+                )
             else:
-                alone = engine.generate(body["prompt"], SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True), chat=False, spec=None)
+                alone = engine.generate(
+                    body["prompt"],
+                    SamplingParams(temperature=0, max_tokens=body["max_tokens"], ignore_eos=True),
+                    chat=False,
+                    speculation=None,
+                )
             assert text == alone.text
     assert blocks_free_of_requests(live)
 
@@ -168,8 +197,16 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -4}, "max_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -4},
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        "max_tokens",
+    ),
 ]
 
 
@@ -182,7 +219,11 @@ def test_bad_input_gets_400_with_openai_error(live, path, body, param):
 
 
 def test_malformed_json_and_wrong_body_type(live):
-    r = httpx.post(live.url("/v1/completions"), content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    r = httpx.post(
+        live.url("/v1/completions"),
+        content=b'{"model": "tiny", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     r = httpx.post(live.url("/v1/completions"), json=["not", "an", "object"])
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -193,7 +234,9 @@ def test_overload_gets_429_with_retry_after(engine):
     try:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
         with ThreadPoolExecutor(6) as pool:
-            responses = list(pool.map(lambda _: httpx.post(server.url("/v1/completions"), json=body, timeout=120), range(6)))
+            responses = list(
+                pool.map(lambda _: httpx.post(server.url("/v1/completions"), json=body, timeout=120), range(6))
+            )
         codes = sorted(r.status_code for r in responses)
         assert codes.count(200) >= 2 and 429 in codes
         busy = next(r for r in responses if r.status_code == 429)
@@ -217,7 +260,13 @@ def test_client_disconnect_mid_stream_frees_blocks(live):
 
 
 def test_metrics_after_traffic(live):
-    body = {"model": MODEL, "prompt": "count", "max_tokens": 10, "temperature": 0, "speculative": {"enabled": True, "draft_layers": 2}}
+    body = {
+        "model": MODEL,
+        "prompt": "count",
+        "max_tokens": 10,
+        "temperature": 0,
+        "speculative": {"enabled": True, "draft_layers": 2},
+    }
     assert httpx.post(live.url("/v1/completions"), json=body, timeout=60).status_code == 200
     text = httpx.get(live.url("/metrics")).text
     values = {}
@@ -226,12 +275,20 @@ def test_metrics_after_traffic(live):
             key, value = line.rsplit(" ", 1)
             values[key] = float(value)
     assert values["selfspec_spec_decode_num_drafts_total"] > 0
-    assert values["selfspec_spec_decode_num_draft_tokens_total"] >= values["selfspec_spec_decode_num_accepted_tokens_total"]
+    assert (
+        values["selfspec_spec_decode_num_draft_tokens_total"]
+        >= values["selfspec_spec_decode_num_accepted_tokens_total"]
+    )
     assert values["selfspec_generation_tokens_total"] >= 10
     assert values["selfspec_time_to_first_token_seconds_count"] >= 1
     assert values["selfspec_inter_token_latency_seconds_count"] >= 1
     assert values["selfspec_e2e_request_latency_seconds_count"] >= 1
     assert 'selfspec_request_success_total{finished_reason="length"}' in values
-    for gauge in ("selfspec_num_requests_running", "selfspec_num_requests_waiting", "selfspec_kv_cache_blocks_used", "selfspec_kv_cache_blocks_free"):
+    for gauge in (
+        "selfspec_num_requests_running",
+        "selfspec_num_requests_waiting",
+        "selfspec_kv_cache_blocks_used",
+        "selfspec_kv_cache_blocks_free",
+    ):
         assert gauge in values
     assert "selfspec_spec_decode_num_accepted_tokens_per_pos_total" in text

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from selfspec import Engine, SamplingParams, SelfspecError, SpecConfig
-from selfspec.batch import generate_batch
-from selfspec.batch import prefill as prefill_tokens
-from selfspec.distribution import sample_continuations
-from selfspec.speculative import speculative_round
-
+from selfspec.calibration.distribution import sample_continuations
+from selfspec.calibration.rollout import generate_batch
+from selfspec.decoding.drafter import ExitDrafter
+from selfspec.decoding.round import RoundInput, speculative_round
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -20,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def test_greedy_speculative_equals_plain(tiny_engine, draft_layers, gamma):
     for prompt in ("hello", "The quick brown fox", "1 2 3 4"):
         plain = tiny_engine.generate(prompt, GREEDY)
-        spec = tiny_engine.generate(prompt, GREEDY, spec=SpecConfig(draft_layers, gamma))
+        spec = tiny_engine.generate(prompt, GREEDY, speculation=SpecConfig(draft_layers, gamma))
         assert spec.token_ids == plain.token_ids
         assert spec.text == plain.text
         s = spec.stats.spec
@@ -38,7 +37,7 @@ def test_identity_upper_layers_accept_everything(tiny_checkpoint):
         layer.wo.zero_()
         layer.w_down.zero_()
     for params in (GREEDY, SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)):
-        r = engine.generate("hi", params, spec=SpecConfig(2, 4))
+        r = engine.generate("hi", params, speculation=SpecConfig(2, 4))
         s = r.stats.spec
         # one plain first step, then 7 rounds of 4 drafts + 1, then a last round capped at 3 drafts
         assert (s.rounds, s.drafted, s.accepted) == (8, 31, 31) and s.acceptance_rate == 1.0
@@ -56,15 +55,19 @@ def test_spec_config_validation(tiny_engine):
         with pytest.raises(ValueError, match=needle):
             SpecConfig(**kwargs)
     with pytest.raises(SelfspecError, match="draft_layers=4 is invalid for a 4-layer model: use 1..3"):
-        tiny_engine.generate("x", GREEDY, spec=SpecConfig(4, 2))
+        tiny_engine.generate("x", GREEDY, speculation=SpecConfig(4, 2))
 
 
 def test_speculation_respects_max_tokens_and_stop(tiny_engine):
     plain = tiny_engine.generate("abc", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
-    spec = tiny_engine.generate("abc", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), spec=SpecConfig(3, 8))
+    spec = tiny_engine.generate(
+        "abc", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), speculation=SpecConfig(3, 8)
+    )
     assert spec.token_ids == plain.token_ids and len(spec.token_ids) == 7
     stop = plain.token_ids[4]
-    r = tiny_engine.generate("abc", SamplingParams(temperature=0, max_tokens=7, stop_token_ids=(stop,)), spec=SpecConfig(3, 8))
+    r = tiny_engine.generate(
+        "abc", SamplingParams(temperature=0, max_tokens=7, stop_token_ids=(stop,)), speculation=SpecConfig(3, 8)
+    )
     assert r.token_ids == plain.token_ids[: plain.token_ids.index(stop) + 1] and r.finish_reason == "stop"
 
 
@@ -75,13 +78,12 @@ VOCAB = 12
 
 def exact_joint(model, prompt, params):
     """[VOCAB, VOCAB]: P(t1, t2 | prompt) under the processed target distribution."""
-    from selfspec.sampling import process_logits
+    from selfspec.decoding.sampling import process_logits
 
     cache = model.new_cache(256, block_size=4)
     seqs = [cache.allocate() for _ in range(VOCAB)]
     tokens = torch.tensor([prompt + [t] for t in range(VOCAB)])  # every first token, teacher-forced
-    batch = cache.prepare(seqs, [tokens.shape[1]] * VOCAB)
-    probs = process_logits(model.logits(model.run_layers(model.embed(tokens), 0, 4, batch, cache)), params)
+    probs = process_logits(model.logits(model.forward(tokens, cache, seqs)), params)
     first = probs[0, len(prompt) - 1]  # [VOCAB]
     return first[:, None] * probs[:, len(prompt)]  # [VOCAB, VOCAB]
 
@@ -132,15 +134,15 @@ def test_cache_invariants_over_random_rounds(small_vocab_model):
     for i in range(6):  # sequences of different lengths share the batch
         seqs.append(cache.allocate())
         prompt = torch.randint(0, VOCAB, (3 + 2 * i,), generator=gen).tolist()
-        batch = cache.prepare([seqs[-1]], [len(prompt) - 1])
-        model.run_layers(model.embed(torch.tensor([prompt[:-1]])), 0, 4, batch, cache)
+        model.prefill(cache, seqs[-1], prompt[:-1])
         tokens.append(prompt)
     params = [SamplingParams(temperature=1.5)] * 6
     gens = [torch.Generator().manual_seed(i) for i in range(6)]
     accepted_seen = set()
     for round_ in range(400):
-        spec = SpecConfig(1 + round_ % 3, 1 + round_ % 5)
-        result = speculative_round(model, cache, seqs, [t[-1] for t in tokens], spec, params, gens)
+        drafter, gamma = ExitDrafter(1 + round_ % 3), 1 + round_ % 5
+        step = RoundInput(seqs, [t[-1] for t in tokens], params, gens, [gamma] * 6, drafter)
+        result = speculative_round(model, cache, step)
         for b, seq in enumerate(seqs):
             tokens[b] += result.tokens[b]
             assert seq.length == len(tokens[b]) - 1  # everything but the last token is cached
@@ -155,8 +157,7 @@ def test_cache_invariants_over_random_rounds(small_vocab_model):
             b = max(range(6), key=lambda i: len(tokens[i]))
             cache.free(seqs[b])
             seqs[b], tokens[b] = cache.allocate(), [1, 2]
-            batch = cache.prepare([seqs[b]], [1])
-            model.run_layers(model.embed(torch.tensor([[1]])), 0, 4, batch, cache)
+            model.prefill(cache, seqs[b], [1])
     assert len(accepted_seen) >= 4  # rounds really did accept and reject varying amounts
     for seq in seqs:
         cache.free(seq)
@@ -174,7 +175,7 @@ def test_mixed_batch_greedy_rows_equal_their_isolated_runs(small_vocab_model):
 
     def alone(prompt, n):
         seq = cache.allocate()
-        prefill_tokens(model, cache, seq, prompt[:-1])
+        model.prefill(cache, seq, prompt[:-1])
         out = generate_batch(model, cache, [seq], [prompt[-1]], greedy[0], None, [None], n)[0]
         cache.free(seq)
         return out
@@ -182,11 +183,11 @@ def test_mixed_batch_greedy_rows_equal_their_isolated_runs(small_vocab_model):
     expected = [alone(p, 24) for p in prompts]
     seqs = [cache.allocate() for _ in prompts]
     for seq, p in zip(seqs, prompts):
-        prefill_tokens(model, cache, seq, p[:-1])
+        model.prefill(cache, seq, p[:-1])
     outs = [[] for _ in prompts]
     while min(len(o) for o in outs) < 24:
         last = [o[-1] if o else p[-1] for o, p in zip(outs, prompts)]
-        r = speculative_round(model, cache, seqs, last, SpecConfig(2, 4), greedy, [None] * 4, gammas=[0, 1, 2, 4])
+        r = speculative_round(model, cache, RoundInput(seqs, last, greedy, [None] * 4, [0, 1, 2, 4], ExitDrafter(2)))
         assert r.drafted == [0, 1, 2, 4] and r.num_accepted[0] == 0 and len(r.tokens[0]) == 1
         for o, t in zip(outs, r.tokens):
             o += t
@@ -207,18 +208,22 @@ def test_mixed_batch_sampled_rows_follow_the_target(small_vocab_model):
     exact = exact_joint(model, prompt, params).sum(1).double()  # P(t1)
     cache = model.new_cache(400_000, block_size=4)
     root = cache.allocate()
-    prefill_tokens(model, cache, root, prompt[:-1])
+    model.prefill(cache, root, prompt[:-1])
     rows, caps = 6000, [0, 1, 2, 3]
     seqs = [cache.fork(root) for _ in range(rows * 4)]
     gammas = [caps[i % 4] for i in range(len(seqs))]
     gens = [torch.Generator().manual_seed(i) for i in range(len(seqs))]
-    r = speculative_round(model, cache, seqs, [prompt[-1]] * len(seqs), SpecConfig(1, 3), [params] * len(seqs), gens, gammas=gammas)
+    step = RoundInput(seqs, [prompt[-1]] * len(seqs), [params] * len(seqs), gens, gammas, ExitDrafter(1))
+    r = speculative_round(model, cache, step)
     for cap in caps:
         first = torch.tensor([r.tokens[i][0] for i in range(len(seqs)) if gammas[i] == cap])
         counts = torch.bincount(first, minlength=VOCAB).double()
         keep = exact * rows >= 5
         assert counts[exact == 0].sum() == 0
-        assert stats.chisquare(counts[keep].numpy(), (exact[keep] / exact[keep].sum() * counts[keep].sum()).numpy()).pvalue > 1e-4
+        assert (
+            stats.chisquare(counts[keep].numpy(), (exact[keep] / exact[keep].sum() * counts[keep].sum()).numpy()).pvalue
+            > 1e-4
+        )
     for s in seqs + [root]:
         cache.free(s)
     assert cache.num_used_blocks == 0

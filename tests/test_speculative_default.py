@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from selfspec import SamplingParams, SpecConfig
-from selfspec.distribution import compare
+from selfspec.calibration.distribution import compare
 
 from .conftest import dev_prompts
 
@@ -24,7 +24,7 @@ def test_greedy_equals_plain_on_dev_prompts(default_engine, plain_outputs, draft
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     spec = SpecConfig(draft_layers, GAMMA[draft_layers])
     for prompt in PROMPTS:
-        result = default_engine.generate(prompt, params, spec=spec)
+        result = default_engine.generate(prompt, params, speculation=spec)
         assert result.token_ids == plain_outputs[prompt], f"diverged on {prompt[:60]!r}"
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from selfspec.calibration.speedup import best_gamma, estimate, expected_accepted_from_positions
 from selfspec.cli.main import main
-from selfspec.speedup import best_gamma, estimate, expected_accepted_from_positions
 
 # alpha = 0.7, c = 0.3, v = 1: E = (1 - 0.7^(g+1)) / 0.3, cost = 0.3 g + 1, by hand
 HAND = {

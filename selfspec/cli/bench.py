@@ -14,6 +14,8 @@ import statistics
 import time
 from pathlib import Path
 
+from selfspec.data import DEV_SET
+
 from .calibrate import heldout_ids, load_questions
 from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
 
@@ -24,7 +26,11 @@ HF_METHODS = ("hf", "hf-early-exit", "hf-prompt-lookup")
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Speedup over plain decoding per category, against transformers peers.")
     add_model_args(p)
-    p.add_argument("--data", required=True, help="JSONL with question_id, category, turns (Spec-Bench format)")
+    p.add_argument(
+        "--data",
+        default=str(DEV_SET),
+        help="JSONL with question_id, category, turns (Spec-Bench format; default: the shipped Spec-Bench dev half)",
+    )
     p.add_argument("--compare", default="plain,selfspec,hf,hf-early-exit,hf-prompt-lookup")
     p.add_argument("--per-category", type=positive_int, default=1)
     p.add_argument("--max-tokens", type=positive_int, default=128)
@@ -34,7 +40,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--profile", help="calibration profile for the `selfspec` method")
     add_draft_head_args(p)
     p.add_argument(
-        "--heldout-only", action="store_true",
+        "--heldout-only",
+        action="store_true",
         help="only prompts the draft head's training held out (from its metadata); --per-category applies after",
     )
     p.add_argument("--out", default="benchmarks/results/bench", help="path prefix for .json, .md and .png")
@@ -51,8 +58,8 @@ def parse_methods(text: str, num_layers: int | None = None) -> list[str]:
         plain_exit = len(parts) == 4 and parts[3] == "exit"
         if parts[0] != "selfspec" or len(parts) != 3 + plain_exit or not all(x.isdigit() for x in parts[1:3]):
             raise ValueError(
-                f"--compare: unknown method {m!r}; use plain, selfspec, selfspec:N:G, selfspec:N:G:exit (no draft head), "
-                + ", ".join(HF_METHODS)
+                f"--compare: unknown method {m!r}; use plain, selfspec, selfspec:N:G, "
+                "selfspec:N:G:exit (no draft head), " + ", ".join(HF_METHODS)
             )
     if "plain" not in methods:
         methods.insert(0, "plain")  # the baseline every speedup is taken against
@@ -72,7 +79,9 @@ class Runner:
         if self._hf is None:
             from transformers import AutoModelForCausalLM
 
-            self._hf = AutoModelForCausalLM.from_pretrained(str(self.engine.checkpoint_dir), dtype=self.engine.model.dtype).eval()
+            self._hf = AutoModelForCausalLM.from_pretrained(
+                str(self.engine.checkpoint_dir), dtype=self.engine.model.dtype
+            ).eval()
             self._hf.generation_config.eos_token_id = None  # every method generates exactly max_tokens
             self._hf.generation_config.pad_token_id = 0
             last = self._hf.model.layers[-1]  # only full-model forwards reach the last layer
@@ -86,16 +95,13 @@ class Runner:
         if method in HF_METHODS:
             return self._hf_run(method, ids)
         parts = method.split(":")
-        spec = None if method == "plain" else "auto" if method == "selfspec" else SpecConfig(int(parts[1]), int(parts[2]))
-        heads = self.engine.draft_heads
-        if parts[-1] == "exit":  # the plain early exit at a depth that has a draft head
-            self.engine.draft_heads = {}
-        try:
-            start = time.perf_counter()
-            r = self.engine.generate(ids, params, spec=spec, category=category)
-            seconds = time.perf_counter() - start
-        finally:
-            self.engine.draft_heads = heads
+        if method in ("plain", "selfspec"):
+            speculation = None if method == "plain" else "auto"
+        else:  # selfspec:N:G, or selfspec:N:G:exit for the plain early exit at a depth that has a draft head
+            speculation = SpecConfig(int(parts[1]), int(parts[2]), "exit" if parts[-1] == "exit" else "auto")
+        start = time.perf_counter()
+        r = self.engine.generate(ids, params, speculation=speculation, category=category)
+        seconds = time.perf_counter() - start
         rounds = r.stats.steps  # plain steps and speculative rounds each run the full model once
         return r.token_ids, seconds, rounds, r.stats.spec_policy
 
@@ -121,12 +127,18 @@ def _body(args) -> int:
 
     methods = parse_methods(args.compare)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile,
+        args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+        profile=args.profile,
         draft_head=draft_head_arg(args),
     )
     held = heldout_ids(engine) if args.heldout_only else None
     if args.heldout_only and not held:
-        raise ValueError("--heldout-only: no draft head with held-out prompts in its metadata (see selfspec train-draft)")
+        raise ValueError(
+            "--heldout-only: no draft head with held-out prompts in its metadata (see selfspec train-draft)"
+        )
     questions = load_questions(args.data, args.per_category, held)
     args.questions = [str(q["question_id"]) for q in questions]
     runner = Runner(engine, args)
@@ -135,7 +147,9 @@ def _body(args) -> int:
     fits = [(q, ids) for q, ids in encoded if len(ids) + args.max_tokens <= engine.max_model_len]
     args.skipped = [q["question_id"] for q, ids in encoded if (q, ids) not in fits]
     if not fits:
-        raise ValueError(f"no prompt fits the model's {engine.max_model_len}-token context with --max-tokens {args.max_tokens}")
+        raise ValueError(
+            f"no prompt fits the model's {engine.max_model_len}-token context with --max-tokens {args.max_tokens}"
+        )
     rows = []
     for i, (q, ids) in enumerate(fits):
         results = {}
@@ -190,7 +204,7 @@ def _summarize(rows: list[dict], methods: list[str]) -> list[dict]:
 def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
     import torch
 
-    from selfspec.calibration import machine_info
+    from selfspec.calibration.calibrate import machine_info
 
     prefix.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -203,7 +217,7 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
         "questions": args.questions,
         "repeats": args.repeats,
         "methods": methods,
-        "draft_heads": {str(n): {"kind": h.kind, "vocab_subset": h.vocab_subset} for n, h in engine.draft_heads.items()},
+        "draft_heads": {str(n): {"kind": h.kind, "vocab_subset": h.vocab_subset} for n, h in engine.heads.items()},
         "spec_policy_examples": sorted({r["spec_policy"] for r in rows if r["method"] == "selfspec"}),
         "skipped_prompts_too_long": args.skipped,
     }
@@ -217,13 +231,18 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
         f"{args.repeats} timing(s) per method and prompt) / mean tokens per full-model forward / prompts whose "
         "output is identical to plain decoding.",
         "",
-        f"Machine: {meta['machine']['platform']}, {meta['machine']['cores']} cores, {meta['threads']} torch threads, torch {meta['machine']['torch']}.",
+        f"Machine: {meta['machine']['platform']}, {meta['machine']['cores']} cores, "
+        f"{meta['threads']} torch threads, torch {meta['machine']['torch']}.",
         "",
         "| category | " + " | ".join(methods) + " |",
         "|---|" + "---|" * len(methods),
     ]
     for c in cats:
-        cells = [f"{get[c, m]['speedup']:.2f}x / {get[c, m]['mean_accepted_tokens']:.2f} / {get[c, m]['identical']}/{get[c, m]['prompts']}" for m in methods]
+        cells = [
+            f"{get[c, m]['speedup']:.2f}x / {get[c, m]['mean_accepted_tokens']:.2f} / "
+            f"{get[c, m]['identical']}/{get[c, m]['prompts']}"
+            for m in methods
+        ]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     if meta["spec_policy_examples"]:
         lines += ["", "The `selfspec` default configuration's policy decisions:", ""]
@@ -233,7 +252,7 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
 
 
 def _plot(path: Path, cats, methods, get) -> None:
-    from selfspec.plots import _pyplot
+    from selfspec.calibration.plots import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.9), 4.5))

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from selfspec.data import DEV_SET
+
 from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
 
 PROG = "selfspec calibrate"
@@ -36,7 +38,11 @@ def float_list(text: str) -> list[float]:
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Calibrate self-speculation for a model on representative prompts.")
     add_model_args(p)
-    p.add_argument("--data", required=True, help="JSONL with question_id, category, turns (Spec-Bench format)")
+    p.add_argument(
+        "--data",
+        default=str(DEV_SET),
+        help="JSONL with question_id, category, turns (Spec-Bench format; default: the shipped Spec-Bench dev half)",
+    )
     p.add_argument("--draft-layers", default="4:28:2", help="depths N to try (default 4:28:2)")
     p.add_argument("--gammas", default="1-8", help="draft lengths to try (default 1-8)")
     p.add_argument("--temperatures", default="0,0.3,0.6,0.9")
@@ -45,15 +51,21 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--out", required=True, help="profile JSON to write; <out>.partial.jsonl keeps progress")
     p.add_argument("--plot", help="directory for PNG plots")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--all-prompts", action="store_true", help="also the prompts a draft head was trained on (default: its held-out ones)")
-    add_draft_head_args(p.add_argument_group("draft head (its depth is calibrated with it; the plain exit's acceptance is kept beside)"))
+    p.add_argument(
+        "--all-prompts",
+        action="store_true",
+        help="also the prompts a draft head was trained on (default: its held-out ones)",
+    )
+    add_draft_head_args(
+        p.add_argument_group("draft head (its depth is calibrated with it; the plain exit's acceptance is kept beside)")
+    )
     p.add_argument("--json", action="store_true", help="print the profile summary as JSON")
     return p
 
 
 def heldout_ids(engine) -> set[str]:
     """Question ids the engine's draft heads held out of their training (from their metadata)."""
-    return {q for h in engine.draft_heads.values() for q in h.metadata.get("heldout_question_ids", [])}
+    return {q for h in engine.heads.values() for q in h.metadata.get("heldout_question_ids", [])}
 
 
 def load_questions(path: str, per_category: int, only: set[str] | None = None) -> list[dict]:
@@ -69,7 +81,9 @@ def load_questions(path: str, per_category: int, only: set[str] | None = None) -
             q = json.loads(line)
             q["turns"][0], q["category"], q["question_id"]
         except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise ValueError(f"--data {path}, line {i + 1}: expected JSON with question_id, category and turns") from None
+            raise ValueError(
+                f"--data {path}, line {i + 1}: expected JSON with question_id, category and turns"
+            ) from None
         if only is not None and str(q["question_id"]) not in only:
             continue
         if seen.get(q["category"], 0) < per_category:
@@ -84,7 +98,7 @@ def _body(args) -> int:
     from tqdm import tqdm
 
     from selfspec import Engine
-    from selfspec.calibration import CalibrationPlan, calibrate
+    from selfspec.calibration.calibrate import CalibrationPlan, calibrate
 
     depths, gammas, temps = int_range(args.draft_layers), int_range(args.gammas), float_list(args.temperatures)
     if min(gammas) < 1 or max(gammas) > 32:
@@ -92,24 +106,34 @@ def _body(args) -> int:
     if min(temps) < 0:
         raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=False,
+        args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+        profile=False,
         draft_head=draft_head_arg(args),
     )
     # A draft head has seen its training prompts: acceptance measured on them would flatter it.
     held = None if args.all_prompts else heldout_ids(engine) or None
     questions = load_questions(args.data, args.per_category, held)
     if held:
-        print(f"calibrating on the {len(questions)} prompts the draft head's training held out (--all-prompts: every prompt)", file=sys.stderr)
+        print(
+            f"calibrating on the {len(questions)} prompts the draft head's training held out "
+            "(--all-prompts: every prompt)",
+            file=sys.stderr,
+        )
     layers = engine.model.num_layers
     if min(depths) < 1 or max(depths) >= layers:
-        raise ValueError(f"--draft-layers {args.draft_layers}: this model has {layers} layers, use depths in 1..{layers - 1}")
+        raise ValueError(
+            f"--draft-layers {args.draft_layers}: this model has {layers} layers, use depths in 1..{layers - 1}"
+        )
     plan = CalibrationPlan(depths, gammas, temps, new_tokens=args.new_tokens, seed=args.seed)
     profile, _, estimates = calibrate(engine, questions, plan, partial_path=f"{args.out}.partial.jsonl", progress=tqdm)
     profile.prompts = [str(q["question_id"]) for q in questions]
     profile.save(args.out)
     plots = []
     if args.plot:
-        from selfspec.plots import write_calibration_plots
+        from selfspec.calibration.plots import write_calibration_plots
 
         plots = [str(p) for p in write_calibration_plots(profile, estimates, args.plot)]
     summary = {
@@ -125,7 +149,9 @@ def _body(args) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"profile written to {args.out} ({len(profile.buckets)} buckets, {summary['buckets_on']} with speculation on)")
+    print(
+        f"profile written to {args.out} ({len(profile.buckets)} buckets, {summary['buckets_on']} with speculation on)"
+    )
     print(
         f"acceptance knee at N={profile.knee}; best predicted speedup at N={profile.best_draft_layers}; "
         f"speculation off above T={profile.temperature_threshold:g}"

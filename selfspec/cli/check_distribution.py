@@ -35,27 +35,34 @@ def build_parser() -> ArgumentParser:
 
 def _body(args) -> int:
     from selfspec import Engine, SamplingParams, SpecConfig
-    from selfspec.distribution import SIGNIFICANCE, compare
+    from selfspec.calibration.distribution import SIGNIFICANCE, compare
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if params.greedy:
         raise ValueError("--temperature 0 is greedy: there is no distribution to compare (use > 0)")
-    spec = SpecConfig(args.draft_layers, args.gamma)
+    config = SpecConfig(args.draft_layers, args.gamma)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, draft_head=draft_head_arg(args)
+        args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+        draft_head=draft_head_arg(args),
     )
-    spec.check(engine.model.num_layers)
+    drafter = engine.drafter(config)  # the head at its depth, else the exit, as in generate
+    head = engine.heads.get(config.draft_layers)
     prompt = engine.encode(args.prompt, chat=not args.raw)
-    head = engine.draft_heads.get(spec.draft_layers)  # drafts at its depth use it, as in generate
-    report = compare(engine.model, prompt, params, spec, args.samples, args.new_tokens, args.seed, draft_logits=head.draft if head else None)
+    report = compare(engine.model, prompt, params, config, args.samples, args.new_tokens, args.seed, drafter=drafter)
     if args.json:
         print(json.dumps({**report.to_dict(), "draft_head": head.kind if head else None}))
     else:
         verdict = "consistent with lossless" if report.lossless else "NOT consistent with lossless"
         print(
-            f"{report.samples} samples x {report.new_tokens} tokens per arm, N={spec.draft_layers}, gamma={spec.num_speculative_tokens}, "
-            f"T={params.temperature}, top_p={params.top_p}, top_k={params.top_k}, draft head: {head.kind if head else 'none'}\n"
-            f"log-likelihood: mean {report.mean_loglik_plain:.3f} plain vs {report.mean_loglik_speculative:.3f} speculative; "
+            f"{report.samples} samples x {report.new_tokens} tokens per arm, N={config.draft_layers}, "
+            f"gamma={config.num_speculative_tokens}, "
+            f"T={params.temperature}, top_p={params.top_p}, top_k={params.top_k}, "
+            f"draft head: {head.kind if head else 'none'}\n"
+            f"log-likelihood: mean {report.mean_loglik_plain:.3f} plain vs "
+            f"{report.mean_loglik_speculative:.3f} speculative; "
             f"KS statistic {report.statistic:.4f}, p-value {report.pvalue:.4f}\n"
             f"first token: chi-square p-value {report.first_token_pvalue:.4f}\n"
             f"verdict at the {SIGNIFICANCE:.0%} level: {verdict}"

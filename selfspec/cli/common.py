@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Callable
 
+from selfspec.decoding.round import DRAFTERS
 from selfspec.errors import SelfspecError
 
 EXIT_BAD_INPUT = 2
@@ -31,10 +32,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a checkpoint dir, or a .gguf")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
     p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
-    p.add_argument("--kv-cache-tokens", type=positive_int, help="KV cache capacity in tokens (default: min(context, 8192))")
+    p.add_argument(
+        "--kv-cache-tokens", type=positive_int, help="KV cache capacity in tokens (default: min(context, 8192))"
+    )
 
 
-def run(prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, body: Callable[[argparse.Namespace], int]) -> int:
+def run(
+    prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, body: Callable[[argparse.Namespace], int]
+) -> int:
     """Parses argv and runs body; input errors become `prog: error: ...` on stderr and exit code 2."""
     try:
         args = parser.parse_args(argv)
@@ -51,6 +56,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (default: the calibration profile's policy decides)")
     g.add_argument("--draft-layers", type=positive_int, metavar="N", help="draft with the first N layers")
     g.add_argument("--gamma", type=positive_int, metavar="K", help="draft tokens per round (default 4)")
+    g.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default="auto",
+        help="what drafts: 'exit' (the first N layers), 'head' (the trained draft head at N), "
+        "'auto' (the head where one exists at N, else the exit)",
+    )
     g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
     g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
     g.add_argument("--category", help="request category for the profile's buckets (e.g. qa, translation)")
@@ -63,7 +75,7 @@ def add_draft_head_args(g) -> None:
 
 
 def spec_from_args(args: argparse.Namespace):
-    from selfspec.speculative import SpecConfig
+    from selfspec.decoding.round import SpecConfig
 
     if args.no_speculate:
         return None
@@ -71,7 +83,7 @@ def spec_from_args(args: argparse.Namespace):
         if args.gamma is not None:
             raise ValueError("--gamma needs --draft-layers N (the draft depth)")
         return "auto"
-    return SpecConfig(args.draft_layers, args.gamma or 4)
+    return SpecConfig(args.draft_layers, args.gamma or 4, args.drafter)
 
 
 def draft_head_arg(args: argparse.Namespace):

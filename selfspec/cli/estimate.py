@@ -26,7 +26,7 @@ def build_parser() -> ArgumentParser:
 
 
 def _body(args) -> int:
-    from selfspec.speedup import best_gamma, estimate
+    from selfspec.calibration.speedup import best_gamma, estimate
 
     e = estimate(args.alpha, args.gamma, args.c, args.verify_cost, args.overhead)
     table = [estimate(args.alpha, g, args.c, args.verify_cost, args.overhead) for g in range(1, args.max_gamma + 1)]

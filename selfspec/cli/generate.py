@@ -57,17 +57,23 @@ def _body(args) -> int:
         ignore_eos=args.ignore_eos,
     )
     prompt = _prompt(args)
-    spec = spec_from_args(args)
+    speculation = spec_from_args(args)
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads,
-        profile=args.profile, draft_head=draft_head_arg(args),
+        args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+        profile=args.profile,
+        draft_head=draft_head_arg(args),
     )
     if args.json:
-        result = engine.generate(prompt, params, spec=spec, chat=not args.raw, category=args.category)
+        result = engine.generate(prompt, params, speculation=speculation, chat=not args.raw, category=args.category)
         print(json.dumps(result.to_dict()))
         return 0
     stats, reason = None, None
-    for chunk in engine.stream_generate(prompt, params, spec=spec, chat=not args.raw, category=args.category):
+    for chunk in engine.stream_generate(
+        prompt, params, speculation=speculation, chat=not args.raw, category=args.category
+    ):
         print(chunk.text, end="", flush=True)
         stats, reason = chunk.stats, chunk.finish_reason
     print()

@@ -21,8 +21,8 @@ def build_parser() -> ArgumentParser:
 
 
 def _body(args) -> int:
-    from selfspec.loader import load
-    from selfspec.roofline import measure
+    from selfspec.calibration.roofline import measure
+    from selfspec.model.loader import load
 
     if args.threads:
         import torch
@@ -33,13 +33,18 @@ def _body(args) -> int:
     if args.out:
         from pathlib import Path
 
-        from selfspec.calibration import machine_info
+        from selfspec.calibration.calibrate import machine_info
 
         m = machine_info()
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"model": args.model, "dtype": args.dtype, "machine": m, **r.to_dict()}, indent=1))
-        header = f"# Roofline: {args.model}, {args.dtype}\n\nMachine: {m['platform']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.\n\n"
+        out.with_suffix(".json").write_text(
+            json.dumps({"model": args.model, "dtype": args.dtype, "machine": m, **r.to_dict()}, indent=1)
+        )
+        header = (
+            f"# Roofline: {args.model}, {args.dtype}\n\n"
+            f"Machine: {m['platform']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.\n\n"
+        )
         out.with_suffix(".md").write_text(header + "```\n" + text + "\n```\n")
     print(json.dumps(r.to_dict()) if args.json else text)
     return 0
@@ -47,16 +52,18 @@ def _body(args) -> int:
 
 def _report(r, dtype: str) -> str:
     verdict = "at the memory wall" if r.step_over_bound <= 1.5 else "above the wall: overhead or compute, not bandwidth"
-    return "\n".join([
-        f"read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s",
-        f"weights read per step   {r.weight_bytes / 1e6:8.1f} MB ({dtype})",
-        f"step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
-        f"measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
-        f"measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
-        "",
-        "forward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):",
-        "  " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()),
-    ])
+    return "\n".join(
+        [
+            f"read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s",
+            f"weights read per step   {r.weight_bytes / 1e6:8.1f} MB ({dtype})",
+            f"step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
+            f"measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
+            f"measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
+            "",
+            "forward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):",
+            "  " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,9 @@ PROG = "selfspec serve"
 
 
 def build_parser() -> ArgumentParser:
-    p = ArgumentParser(prog=PROG, description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.")
+    p = ArgumentParser(
+        prog=PROG, description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."
+    )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -25,17 +27,29 @@ def _body(args) -> int:
     import uvicorn
 
     from selfspec import Engine
-    from selfspec.server import create_app
+    from selfspec.serving.server import create_app
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: use 1..65535")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting {args.max_waiting}: use >= 0")
     engine = Engine.from_pretrained(
-        args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, num_threads=args.threads, profile=args.profile
+        args.model,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+        profile=args.profile,
     )
-    app = create_app(engine, served_model_name=args.served_model_name or args.model, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
-    print(f"selfspec serving {args.served_model_name or args.model!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name or args.model,
+        max_batch_size=args.max_batch_size,
+        max_waiting=args.max_waiting,
+    )
+    print(
+        f"selfspec serving {args.served_model_name or args.model!r} on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -57,9 +57,7 @@ def gather_kv(layer_kv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     return blocks[:, :, :, :t]
 
 
-def paged_attention(
-    q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBatch, window: int | None
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBatch, window: int | None) -> torch.Tensor:
     """q [B, heads, S, head_dim] -> [B, heads, S, head_dim]; keys/values read through the block table."""
     kv = gather_kv(layer_kv, batch)
     return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)

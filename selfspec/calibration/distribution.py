@@ -9,19 +9,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .kv_cache import PagedKVCache, SequenceKV
-from .model import DecoderModel
-from .sampling import SamplingParams, make_generator, process_logits
-from .batch import generate_batch, prefill
-from .speculative import SpecConfig
+from ..decoding.drafter import Drafter
+from ..decoding.round import SpecConfig
+from ..decoding.sampling import SamplingParams, make_generator, process_logits
+from ..model.cache import PagedKVCache
+from ..model.decoder import DecoderModel
+from .rollout import generate_batch
 
 SIGNIFICANCE = 0.01  # the test's false-alarm rate: a lossless engine fails it 1% of the time
-
-
-def _forward(model: DecoderModel, cache: PagedKVCache, seqs: list[SequenceKV], tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [B, S] appended to each sequence -> hidden [B, S, hidden] after the last layer."""
-    batch = cache.prepare(seqs, [tokens.shape[1]] * len(seqs))
-    return model.run_layers(model.embed(tokens), 0, model.num_layers, batch, cache)
 
 
 @torch.inference_mode()
@@ -30,25 +25,28 @@ def sample_continuations(
     cache: PagedKVCache,
     prompt: list[int],
     params: SamplingParams,
-    spec: SpecConfig | None,
+    config: SpecConfig | None,
     num_samples: int,
     new_tokens: int,
     seed: int,
     chunk: int = 128,
-    draft_logits=None,
+    drafter: Drafter | None = None,
 ) -> list[list[int]]:
     """num_samples continuations of exactly new_tokens tokens each (EOS is not special here). Row i
-    draws from its own generator seeded with seed + i. `draft_logits`: a draft head's logits."""
+    draws from its own generator seeded with seed + i. `drafter`: what the speculative arm drafts with
+    (default: the plain exit at the config's depth)."""
     root = cache.allocate()
     out: list[list[int]] = []
     try:
-        prefill(model, cache, root, prompt[:-1])
+        model.prefill(cache, root, prompt[:-1])
         for first in range(0, num_samples, chunk):
             rows = min(chunk, num_samples - first)
             seqs = [cache.fork(root) for _ in range(rows)]
             gens = [make_generator(seed + first + i) for i in range(rows)]
             try:
-                out += generate_batch(model, cache, seqs, [prompt[-1]] * rows, params, spec, gens, new_tokens, draft_logits)
+                out += generate_batch(
+                    model, cache, seqs, [prompt[-1]] * rows, params, config, gens, new_tokens, drafter
+                )
             finally:
                 for s in seqs:
                     cache.free(s)
@@ -59,7 +57,11 @@ def sample_continuations(
 
 @torch.inference_mode()
 def sequence_logliks(
-    model: DecoderModel, cache: PagedKVCache, prompt: list[int], continuations: list[list[int]], params: SamplingParams,
+    model: DecoderModel,
+    cache: PagedKVCache,
+    prompt: list[int],
+    continuations: list[list[int]],
+    params: SamplingParams,
     chunk: int = 128,
 ) -> torch.Tensor:
     """Teacher-forced log-likelihood of each continuation under the processed target distribution
@@ -67,13 +69,13 @@ def sequence_logliks(
     root = cache.allocate()
     out = []
     try:
-        prefill(model, cache, root, prompt[:-1])
+        model.prefill(cache, root, prompt[:-1])
         for first in range(0, len(continuations), chunk):
             conts = torch.tensor(continuations[first : first + chunk])  # [B, n]
             seqs = [cache.fork(root) for _ in range(conts.shape[0])]
             try:
                 inputs = torch.cat([torch.full((conts.shape[0], 1), prompt[-1]), conts[:, :-1]], dim=1)  # [B, n]
-                probs = process_logits(model.logits(_forward(model, cache, seqs, inputs)), params)  # [B, n, vocab]
+                probs = process_logits(model.logits(model.forward(inputs, cache, seqs)), params)  # [B, n, vocab]
                 picked = probs.gather(-1, conts[..., None]).squeeze(-1).double()  # [B, n]
                 out.append(picked.log().sum(-1))
             finally:
@@ -103,21 +105,23 @@ def compare(
     model: DecoderModel,
     prompt: list[int],
     params: SamplingParams,
-    spec: SpecConfig,
+    config: SpecConfig,
     samples: int,
     new_tokens: int,
     seed: int = 0,
     chunk: int = 128,
-    draft_logits=None,
+    drafter: Drafter | None = None,
 ) -> DistributionReport:
-    """`draft_logits`: a draft head's `draft` (the speculative arm drafts with it)."""
+    """`drafter`: what the speculative arm drafts with (default: the plain exit at the config's depth)."""
     from scipy import stats
 
     # A cache of its own: `chunk` forks of the prompt, each with room for a round's overshoot.
     block = 16
-    cache = model.new_cache(len(prompt) + chunk * (new_tokens + spec.num_speculative_tokens + 2 + 2 * block), block)
+    cache = model.new_cache(len(prompt) + chunk * (new_tokens + config.num_speculative_tokens + 2 + 2 * block), block)
     plain = sample_continuations(model, cache, prompt, params, None, samples, new_tokens, seed, chunk)
-    specd = sample_continuations(model, cache, prompt, params, spec, samples, new_tokens, seed + 10**6, chunk, draft_logits)
+    specd = sample_continuations(
+        model, cache, prompt, params, config, samples, new_tokens, seed + 10**6, chunk, drafter
+    )
     ll_plain = sequence_logliks(model, cache, prompt, plain, params, chunk)
     ll_spec = sequence_logliks(model, cache, prompt, specd, params, chunk)
     ks = stats.ks_2samp(ll_plain.numpy(), ll_spec.numpy())

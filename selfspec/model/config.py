@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -42,7 +42,6 @@ class ModelConfig:
     # Per layer: None for full attention, else the sliding-window width in tokens.
     sliding_windows: tuple[int | None, ...]
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -81,7 +80,6 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_windows=_sliding_windows_from_hf(cfg, model_type, layers),
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
         )
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attention import gather_kv
-from .batch import generate_batch, prefill
-from .draft_head import Adapter, AttnContext, DraftHead, build, new_adapter
-from .draft_head import load as load_head
-from .errors import SelfspecError
-from .model import DecoderModel
-from .sampling import SamplingParams
+from ..decoding.head import Adapter, AttnContext, DraftHead, build, new_adapter
+from ..decoding.head import load as load_head
+from ..decoding.sampling import SamplingParams
+from ..errors import SelfspecError
+from ..model.attention import gather_kv
+from ..model.decoder import DecoderModel
+from .rollout import generate_batch
 from .speedup import estimate
 
 TOP_K = 32  # teacher probabilities kept per position for training
@@ -53,7 +53,9 @@ class Positions:
     top_probs: torch.Tensor  # [P, TOP_K] their probabilities (T = 1)
     final: torch.Tensor | None = None  # [P, hidden] last-layer hidden (held-out split: full teacher at eval)
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # per sequence: first row, rows, first position
-    kv: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # N -> per sequence [2, kv_heads, T, head_dim] of layer N-1 (attn kind)
+    kv: dict[int, list[torch.Tensor]] = field(
+        default_factory=dict
+    )  # N -> per sequence [2, kv_heads, T, head_dim] of layer N-1 (attn kind)
 
 
 def split_prompts(prompts: list[list[int]], fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -64,7 +66,9 @@ def split_prompts(prompts: list[list[int]], fraction: float, seed: int) -> tuple
 
 
 @torch.inference_mode()
-def responses(model: DecoderModel, prompts: list[list[int]], new_tokens: int, eos: set[int], batch: int = 16) -> list[list[int]]:
+def responses(
+    model: DecoderModel, prompts: list[list[int]], new_tokens: int, eos: set[int], batch: int = 16
+) -> list[list[int]]:
     """The model's own greedy answers, cut after EOS."""
     out = []
     for first in range(0, len(prompts), batch):
@@ -72,8 +76,17 @@ def responses(model: DecoderModel, prompts: list[list[int]], new_tokens: int, eo
         cache = model.new_cache(sum(len(p) for p in chunk) + len(chunk) * (new_tokens + 32))
         seqs = [cache.allocate() for _ in chunk]
         for seq, p in zip(seqs, chunk):
-            prefill(model, cache, seq, p[:-1])
-        outs = generate_batch(model, cache, seqs, [p[-1] for p in chunk], SamplingParams(temperature=0), None, [None] * len(chunk), new_tokens)
+            model.prefill(cache, seq, p[:-1])
+        outs = generate_batch(
+            model,
+            cache,
+            seqs,
+            [p[-1] for p in chunk],
+            SamplingParams(temperature=0),
+            None,
+            [None] * len(chunk),
+            new_tokens,
+        )
         for o in outs:
             end = next((i for i, t in enumerate(o) if t in eos), len(o) - 1)
             out.append(o[: end + 1])
@@ -81,7 +94,9 @@ def responses(model: DecoderModel, prompts: list[list[int]], new_tokens: int, eo
 
 
 @torch.inference_mode()
-def collect(model: DecoderModel, sequences: list[tuple[list[int], int]], exits: list[int], keep_final: bool, kv: bool = False) -> Positions:
+def collect(
+    model: DecoderModel, sequences: list[tuple[list[int], int]], exits: list[int], keep_final: bool, kv: bool = False
+) -> Positions:
     """sequences: (tokens, first position to keep). One forward each; positions i predict tokens[i + 1].
     kv: also keep layer N-1's keys/values of every position (what an attn adapter reads)."""
     hidden = {n: [] for n in exits}
@@ -90,24 +105,31 @@ def collect(model: DecoderModel, sequences: list[tuple[list[int], int]], exits: 
     for tokens, first in sequences:
         cache = model.new_cache(len(tokens) + 16)
         seq = cache.allocate()
-        batch = cache.prepare([seq], [len(tokens) - 1])
-        h, done = model.embed(torch.tensor([tokens[:-1]])), 0
+        batch = cache.prepare([seq], [len(tokens) - 1])  # one pass, run a slice of layers at a time
+        h, done = torch.tensor([tokens[:-1]]), 0
         spans.append((rows, len(tokens) - 1 - first, first))
         rows += len(tokens) - 1 - first
         for n in sorted(exits):
-            h = model.run_layers(h, done, n, batch, cache)
+            h = model.forward(h, cache, start=done, end=n, batch=batch)
             hidden[n].append(h[0, first:].float())
             if kv:
-                keys[n].append(gather_kv(cache.layers[n - 1], batch)[:, 0].float().clone())  # [2, kv_heads, T, head_dim]
+                keys[n].append(
+                    gather_kv(cache.layers[n - 1], batch)[:, 0].float().clone()
+                )  # [2, kv_heads, T, head_dim]
             done = n
-        h = model.run_layers(h, done, model.num_layers, batch, cache)
+        h = model.forward(h, cache, start=done, batch=batch)
         top = torch.softmax(model.logits(h[0, first:]), -1).topk(TOP_K)
         ids.append(top.indices)
         probs.append(top.values)
         if keep_final:
             finals.append(h[0, first:].float())
     return Positions(
-        {n: torch.cat(v) for n, v in hidden.items()}, torch.cat(ids), torch.cat(probs), torch.cat(finals) if keep_final else None, spans, keys
+        {n: torch.cat(v) for n, v in hidden.items()},
+        torch.cat(ids),
+        torch.cat(probs),
+        torch.cat(finals) if keep_final else None,
+        spans,
+        keys,
     )
 
 
@@ -153,7 +175,9 @@ def train_adapter(
     norm = model.norm_weight.float()
     targets_ids, targets_p = _targets_in_subset(data, vocab, model.config.vocab_size)
     opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     x_all = data.hidden[n]
     losses = []
@@ -185,7 +209,9 @@ def _init_attention(adapter: Adapter, model: DecoderModel, n: int) -> None:
         adapter.wq.weight.copy_(w.wqkv[: c.num_heads * c.head_dim].float())
 
 
-def _attn_batch(model, adapter: Adapter, data: Positions, n: int, rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _attn_batch(
+    model, adapter: Adapter, data: Positions, n: int, rows: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random sequences until about `rows` rows -> (row indices [R], adapted hidden [R, hidden])."""
     idx, out, total = [], [], 0
     while total < rows:
@@ -200,7 +226,9 @@ def _attn_batch(model, adapter: Adapter, data: Positions, n: int, rows: int, gen
     return torch.cat(idx), torch.cat(out)
 
 
-def _targets_in_subset(data: Positions, vocab: torch.Tensor | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _targets_in_subset(
+    data: Positions, vocab: torch.Tensor | None, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher top-k ids as indices into the subset; probabilities of ids outside it are dropped
     (the draft can never propose those)."""
     if vocab is None:
@@ -283,7 +311,9 @@ def prepare_data(model: DecoderModel, prompts: list[list[int]], eos: set[int], c
     }
 
 
-def train_one(model: DecoderModel, n: int, kind: str, data: dict, cfg: TrainConfig, metadata: dict, progress=None) -> TrainResult:
+def train_one(
+    model: DecoderModel, n: int, kind: str, data: dict, cfg: TrainConfig, metadata: dict, progress=None
+) -> TrainResult:
     vocab = data["vocab"]
     adapter, losses = train_adapter(model, n, kind, data["train"], vocab, cfg, progress)
     meta = dict(
@@ -299,12 +329,19 @@ def train_one(model: DecoderModel, n: int, kind: str, data: dict, cfg: TrainConf
     head.metadata["heldout"] = held
     untrained = build(model, n, new_adapter(model, kind, cfg.rank), vocab)  # identity, same subset
     return TrainResult(
-        n, kind, held, evaluate(model, untrained, n, data["held"], cfg.temperatures),
-        evaluate(model, None, n, data["held"], cfg.temperatures), losses[-1], head=head,
+        n,
+        kind,
+        held,
+        evaluate(model, untrained, n, data["held"], cfg.temperatures),
+        evaluate(model, None, n, data["held"], cfg.temperatures),
+        losses[-1],
+        head=head,
     )
 
 
-def train_resumable(model, prompts, eos, cfg: TrainConfig, metadata: dict, work: Path, progress=None, log=print) -> list[TrainResult]:
+def train_resumable(
+    model, prompts, eos, cfg: TrainConfig, metadata: dict, work: Path, progress=None, log=print
+) -> list[TrainResult]:
     """prepare_data + train_one for every (N, kind), keeping each finished piece in `work` so that an
     interrupted run picks up where it stopped."""
     work.mkdir(parents=True, exist_ok=True)
@@ -367,10 +404,12 @@ def _check_work_config(work: Path, cfg: TrainConfig) -> None:
 
 
 @torch.inference_mode()
-def choose_best(model: DecoderModel, results: list[TrainResult], gammas=range(1, 7), repeats: int = 7) -> tuple[TrainResult, dict]:
+def choose_best(
+    model: DecoderModel, results: list[TrainResult], gammas=range(1, 7), repeats: int = 7
+) -> tuple[TrainResult, dict]:
     """Times a draft step with each head and verification per (N, γ), then picks the (head, γ) with
     the best predicted speedup E(α, γ) / (γc + v) from its held-out greedy acceptance."""
-    from .calibration import time_costs
+    from .calibrate import time_costs
 
     context = list(range(100, 228))
     cache = model.new_cache(len(context) + 64)
@@ -383,12 +422,20 @@ def choose_best(model: DecoderModel, results: list[TrainResult], gammas=range(1,
         costs["draft_cost"][f"{r.draft_layers}-{r.kind}"] = c
         if r.head.vocab is not None:
             whole = build(model, r.draft_layers, r.head.adapter, None)
-            costs["draft_cost_full_vocab"][f"{r.draft_layers}-{r.kind}"] = _time_draft_step(model, cache, context, whole) / full
+            costs["draft_cost_full_vocab"][f"{r.draft_layers}-{r.kind}"] = (
+                _time_draft_step(model, cache, context, whole) / full
+            )
         alpha = r.heldout["acceptance"]["0"]
         for g in gammas:  # each head's own best γ goes in its report; the best head overall is returned
             speed = estimate(alpha, g, c, v[str(r.draft_layers)][str(g)]).speedup
             if speed > r.choice.get("predicted_speedup", -1.0):
-                r.choice = {"gamma": g, "c": c, "verify_cost": v[str(r.draft_layers)][str(g)], "alpha": alpha, "predicted_speedup": speed}
+                r.choice = {
+                    "gamma": g,
+                    "c": c,
+                    "verify_cost": v[str(r.draft_layers)][str(g)],
+                    "alpha": alpha,
+                    "predicted_speedup": speed,
+                }
         if r.choice["predicted_speedup"] > best_speed:
             best, best_speed = r, r.choice["predicted_speedup"]
     return best, costs
@@ -400,13 +447,12 @@ def _time_draft_step(model: DecoderModel, cache, context: list[int], head: Draft
 
     seq = cache.allocate()
     try:
-        batch = cache.prepare([seq], [len(context)])
-        model.run_layers(model.embed(torch.tensor([context])), 0, model.num_layers, batch, cache)
+        model.forward(torch.tensor([context]), cache, [seq])
         samples = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
             b = cache.prepare([seq], [1])
-            h = model.run_layers(model.embed(torch.tensor([[7]])), 0, head.draft_layers, b, cache)
+            h = model.forward(torch.tensor([[7]]), cache, end=head.draft_layers, batch=b)
             head.draft(h, b, cache).argmax(-1)
             samples.append(time.perf_counter() - start)
             cache.truncate(seq, len(context))

@@ -16,11 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .engine import Engine
-from .errors import SelfspecError
+from ..decoding.engine import Engine
+from ..decoding.policy import SpecOverride
+from ..decoding.sampling import SamplingParams
+from ..errors import SelfspecError
 from .metrics import Metrics
-from .policy import SpecOverride
-from .sampling import SamplingParams
 from .scheduler import Event, QueueFull, Scheduler, Submission
 
 
@@ -30,6 +30,7 @@ class SpeculativeOptions(BaseModel):
     enabled: bool | None = None
     draft_layers: int | None = None
     num_speculative_tokens: int | None = None
+    drafter: str | None = None
 
 
 class _Common(BaseModel):
@@ -76,9 +77,24 @@ class ChatBody(_Common):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error", headers=None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers=None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind, self.headers = status, message, param, code, kind, headers
+        self.status, self.message, self.param, self.code, self.kind, self.headers = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+            headers,
+        )
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -87,7 +103,9 @@ def _error_response(e: ApiError) -> JSONResponse:
 
 
 # ---- the app ------------------------------------------------------------------------------------------
-def create_app(engine: Engine, *, served_model_name: str | None = None, max_batch_size: int = 16, max_waiting: int = 64) -> FastAPI:
+def create_app(
+    engine: Engine, *, served_model_name: str | None = None, max_batch_size: int = 16, max_waiting: int = 64
+) -> FastAPI:
     metrics = Metrics()
     scheduler = Scheduler(engine, max_batch_size=max_batch_size, max_waiting=max_waiting, metrics=metrics)
     name = served_model_name or engine.name
@@ -158,7 +176,9 @@ def create_app(engine: Engine, *, served_model_name: str | None = None, max_batc
 
     def _params(body: _Common, chat: bool) -> SamplingParams:
         if body.model != name:
-            raise ApiError(400, f"model {body.model!r} is not served here; this server serves {name!r}", "model", "model_not_found")
+            raise ApiError(
+                400, f"model {body.model!r} is not served here; this server serves {name!r}", "model", "model_not_found"
+            )
         if body.n not in (None, 1):
             raise ApiError(400, f"n={body.n} is not supported: use n=1", "n")
         max_tokens = body.max_completion_tokens if chat and body.max_completion_tokens is not None else body.max_tokens
@@ -176,37 +196,52 @@ def create_app(engine: Engine, *, served_model_name: str | None = None, max_batc
             param = str(e).split("=", 1)[0]
             raise ApiError(400, str(e), param) from None
 
-    def _spec(body: _Common):
+    def _speculation(body: _Common):
         o = body.speculative
         if o is None:
             return "auto"
         try:
-            override = SpecOverride(o.enabled, o.draft_layers, o.num_speculative_tokens)
+            override = SpecOverride(o.enabled, o.draft_layers, o.num_speculative_tokens, o.drafter)
         except ValueError as e:
             raise ApiError(400, f"speculative: {e}", "speculative") from None
         if o.draft_layers is not None and not 1 <= o.draft_layers < engine.model.num_layers:
-            raise ApiError(400, f"speculative.draft_layers={o.draft_layers}: use 1..{engine.model.num_layers - 1}", "speculative.draft_layers")
+            raise ApiError(
+                400,
+                f"speculative.draft_layers={o.draft_layers}: use 1..{engine.model.num_layers - 1}",
+                "speculative.draft_layers",
+            )
         return override
 
     async def _serve(body: _Common, ids: list[int], request: Request, chat: bool):
         params = _params(body, chat)
-        spec = _spec(body)
+        speculation = _speculation(body)
         if len(ids) >= engine.max_model_len:
-            raise ApiError(400, f"prompt has {len(ids)} tokens but the context holds {engine.max_model_len}: shorten it", "messages" if chat else "prompt", "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"prompt has {len(ids)} tokens but the context holds {engine.max_model_len}: shorten it",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        sub = Submission(ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), spec, body.category)
+        sub = Submission(
+            ids, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), speculation, body.category
+        )
         try:
             scheduler.submit(sub)
         except QueueFull as e:
-            raise ApiError(429, str(e), code="overloaded", kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                429, str(e), code="overloaded", kind="rate_limit_error", headers={"Retry-After": "1"}
+            ) from None
         except SelfspecError as e:
             raise ApiError(400, str(e)) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(sub, queue, rid, created, chat, include_usage), media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(sub, queue, rid, created, chat, include_usage), media_type="text/event-stream"
+            )
         try:
             text, reason, stats = [], None, None
             while reason is None:
@@ -242,7 +277,11 @@ def create_app(engine: Engine, *, served_model_name: str | None = None, max_batc
                 choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps({"id": rid, "object": obj, "created": created, "model": name, "choices": [choice]})
+                + "\n\n"
+            )
 
         finished = False
         try:
@@ -259,7 +298,14 @@ def create_app(engine: Engine, *, served_model_name: str | None = None, max_batc
                 if ev.finish_reason is not None:
                     yield chunk(None if chat else "", ev.finish_reason)
                     if include_usage:
-                        usage = {"id": rid, "object": obj, "created": created, "model": name, "choices": [], "usage": _usage(ev.stats)}
+                        usage = {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": name,
+                            "choices": [],
+                            "usage": _usage(ev.stats),
+                        }
                         yield "data: " + json.dumps(usage) + "\n\n"
                     break
             finished = True

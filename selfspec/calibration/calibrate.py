@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .batch import generate_batch, prefill
-from .errors import SelfspecError
-from .kv_cache import PagedKVCache
-from .model import DecoderModel
-from .profile import BucketChoice, Profile, length_bucket
-from .sampling import SamplingParams, make_generator
-from .speculative import SpecConfig
+from ..decoding.profile import BucketChoice, Profile, length_bucket
+from ..decoding.round import SpecConfig
+from ..decoding.sampling import SamplingParams, make_generator
+from ..errors import SelfspecError
+from ..model.cache import PagedKVCache
+from ..model.decoder import DecoderModel
+from .rollout import generate_batch
 from .speedup import expected_accepted_from_positions
 
 
@@ -65,16 +65,16 @@ def teacher_forced_acceptance(
     first = len(prompt) - 1  # positions from here predict the continuation
     drafts = {}
     try:
-        batch = cache.prepare([seq], [len(tokens) - 1])
-        h = model.embed(torch.tensor([tokens[:-1]]))
+        batch = cache.prepare([seq], [len(tokens) - 1])  # one pass, run a slice of layers at a time
+        h = torch.tensor([tokens[:-1]])
         done = 0
         for n in sorted(draft_layers):
-            h = model.run_layers(h, done, n, batch, cache)
+            h = model.forward(h, cache, start=done, end=n, batch=batch)
             drafts[n] = model.logits(h[0, first:])  # [n, vocab]
             if n in heads:  # the head reads the cache as it stands after this forward (attn: layer N-1)
                 drafts[n], drafts[-n] = heads[n].in_pass(h, batch, cache, first)[0], drafts[n]
             done = n
-        h = model.run_layers(h, done, model.num_layers, batch, cache)
+        h = model.forward(h, cache, start=done, batch=batch)
         target = model.logits(h[0, first:])  # [n, vocab]
     finally:
         cache.free(seq)
@@ -105,7 +105,12 @@ def tokens_per_round(accept: list[float], gamma: int) -> float:
 
 @torch.inference_mode()
 def time_costs(
-    model: DecoderModel, cache: PagedKVCache, context: list[int], draft_layers: list[int], gammas: list[int], repeats: int = 7,
+    model: DecoderModel,
+    cache: PagedKVCache,
+    context: list[int],
+    draft_layers: list[int],
+    gammas: list[int],
+    repeats: int = 7,
     heads: dict | None = None,
 ) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
@@ -114,8 +119,7 @@ def time_costs(
     -> (full step seconds, c per N, v per N per γ)."""
     seq = cache.allocate()
     try:
-        batch = cache.prepare([seq], [len(context)])
-        model.run_layers(model.embed(torch.tensor([context])), 0, model.num_layers, batch, cache)
+        model.forward(torch.tensor([context]), cache, [seq])
         base = seq.length
 
         def once(fn) -> float:
@@ -134,15 +138,15 @@ def time_costs(
 
         def forward(tokens: int, start: int, end: int, head: bool) -> torch.Tensor:
             b = cache.prepare([seq], [tokens])
-            h = model.run_layers(model.embed(torch.full((1, tokens), 17)), start, end, b, cache)
+            h = model.forward(torch.full((1, tokens), 17), cache, start=start, end=end, batch=b)
             if head and end in (heads or {}):
                 return heads[end].draft(h, b, cache).argmax(-1)
             return model.logits(h).argmax(-1) if head else h
 
         def verify(n: int, gamma: int) -> None:
             forward(1, 0, n, head=False)  # the last draft token's pass through [0, N)
-            b = cache.prepare([seq], [gamma + 1], [base])
-            h = model.run_layers(torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype), n, model.num_layers, b, cache)
+            x = torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype)
+            h = model.forward(x, cache, [seq], start=n, starts=[base])
             model.logits(h).argmax(-1)
 
         once(step)  # warm-up
@@ -191,7 +195,11 @@ def estimate_buckets(
             alpha[n] = sum(sum(r.accept[n]) for r in recs) / total if total else 0.0
             tpr[n], speed[n] = {}, {}
             for g in v[n]:
-                e = sum(w * tokens_per_round(r.accept[n], int(g)) for r, w in zip(recs, weights)) / total if total else 1.0
+                e = (
+                    sum(w * tokens_per_round(r.accept[n], int(g)) for r, w in zip(recs, weights)) / total
+                    if total
+                    else 1.0
+                )
                 tpr[n][g] = e
                 speed[n][g] = e / (int(g) * c[n] + v[n][g])
         out.append(BucketEstimate(cat, lb, t, total, alpha, tpr, speed))
@@ -241,7 +249,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     # A cache of its own, sized for one batch of continuations (the engine's serves validation runs).
     cache = model.new_cache(plan.batch_size * (longest + plan.new_tokens + 2))
     done = _load_partial(partial_path)
-    heads = {str(n): _head_id(h) for n, h in engine.draft_heads.items()}
+    heads = {str(n): _head_id(h) for n, h in engine.heads.items()}
     if done and done.get("__heads__", {}) != heads:  # records measured with other draft heads do not resume
         raise SelfspecError(
             f"{partial_path} was measured with draft heads {done.get('__heads__', {})}, this run has {heads}: "
@@ -253,7 +261,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     costs = done.pop("__costs__", None)
     if costs is None:
         context = encoded[str(questions[0]["question_id"])]
-        full, c, v = time_costs(model, cache, context, plan.draft_layers, plan.gammas, heads=engine.draft_heads)
+        full, c, v = time_costs(model, cache, context, plan.draft_layers, plan.gammas, heads=engine.heads)
         costs = {"full_step_seconds": full, "c": c, "v": v}
         _append_partial(partial_path, {"__costs__": costs})
     c, v = costs["c"], costs["v"]
@@ -270,7 +278,9 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
             prompts = [encoded[str(q["question_id"])] for q in chunk]
             conts = _continuations(engine, cache, prompts, t, plan)
             for q, prompt, cont in zip(chunk, prompts, conts):
-                accept, top, plain = teacher_forced_acceptance(model, cache, prompt, cont, plan.draft_layers, t, engine.draft_heads)
+                accept, top, plain = teacher_forced_acceptance(
+                    model, cache, prompt, cont, plan.draft_layers, t, engine.heads
+                )
                 rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top, plain)
                 records.append(rec)
                 _append_partial(partial_path, {_key(q, t): rec.__dict__})
@@ -282,7 +292,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     validation = _validate(engine, questions, estimates, plan)
     profile = _profile(engine, plan, costs, records, estimates, validation)
     profile.skipped_prompts = [str(q["question_id"]) for q in skipped]
-    profile.draft_heads = _head_summary(engine.draft_heads, records, plan)
+    profile.draft_heads = _head_summary(engine.heads, records, plan)
     return profile, records, estimates
 
 
@@ -329,13 +339,15 @@ def _append_partial(path, item: dict) -> None:
             f.write(json.dumps(item) + "\n")
 
 
-def _continuations(engine, cache, prompts: list[list[int]], temperature: float, plan: CalibrationPlan) -> list[list[int]]:
+def _continuations(
+    engine, cache, prompts: list[list[int]], temperature: float, plan: CalibrationPlan
+) -> list[list[int]]:
     """The model's own responses (sampled at the bucket's temperature, cut after EOS)."""
     model = engine.model
     seqs = [cache.allocate() for _ in prompts]
     try:
         for seq, p in zip(seqs, prompts):
-            prefill(model, cache, seq, p[:-1])
+            model.prefill(cache, seq, p[:-1])
         params = SamplingParams(temperature=temperature)
         gens = [make_generator(plan.seed + i) for i in range(len(prompts))]
         outs = generate_batch(model, cache, seqs, [p[-1] for p in prompts], params, None, gens, plan.new_tokens)
@@ -352,26 +364,32 @@ def _continuations(engine, cache, prompts: list[list[int]], temperature: float, 
 def _validate(engine, questions, estimates: list[BucketEstimate], plan: CalibrationPlan) -> list[dict]:
     """End-to-end speculative vs plain runs (interleaved) for every bucket the prediction switches on,
     and, at T = 0, for each γ at the best depth (the measured side of the speedup-vs-γ plot)."""
-    overall = next(e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures)))
+    overall = next(
+        e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures))
+    )
     best_n, _, _ = overall.best()
     jobs = [(overall, best_n, g) for g in plan.gammas]
     jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0]
     out = []
     for est, n, g in jobs:
         chosen = [
-            q for q in questions
-            if est.category in ("all", q["category"]) and est.length_bucket in ("all", length_bucket(len(engine.encode(q["turns"][0]))))
+            q
+            for q in questions
+            if est.category in ("all", q["category"])
+            and est.length_bucket in ("all", length_bucket(len(engine.encode(q["turns"][0]))))
         ][: plan.validate_prompts]
-        params = SamplingParams(temperature=est.temperature, max_tokens=plan.new_tokens * 2, ignore_eos=True, seed=plan.seed)
+        params = SamplingParams(
+            temperature=est.temperature, max_tokens=plan.new_tokens * 2, ignore_eos=True, seed=plan.seed
+        )
         ratios = []
         for i, q in enumerate(chosen):
             ids = engine.encode(q["turns"][0])
             runs = [None, SpecConfig(n, g)]
             times = {}
-            for spec in runs if i % 2 == 0 else runs[::-1]:
+            for config in runs if i % 2 == 0 else runs[::-1]:
                 start = time.perf_counter()
-                engine.generate(ids, params, spec=spec if spec else None)
-                times[spec is not None] = time.perf_counter() - start
+                engine.generate(ids, params, speculation=config)
+                times[config is not None] = time.perf_counter() - start
             ratios.append(times[False] / times[True])
         out.append(
             {
@@ -389,13 +407,23 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
 
 
 def _profile(engine, plan, costs, records, estimates, validation):
-    measured = {(v["category"], v["length_bucket"], v["temperature"], v["draft_layers"], v["gamma"]): v["measured_speedup"] for v in validation}
+    measured = {
+        (v["category"], v["length_bucket"], v["temperature"], v["draft_layers"], v["gamma"]): v["measured_speedup"]
+        for v in validation
+    }
     buckets = []
     for e in estimates:
         n, g, s = e.best()
         buckets.append(
             BucketChoice(
-                e.category, e.length_bucket, e.temperature, e.positions, e.alpha, n, g, s,
+                e.category,
+                e.length_bucket,
+                e.temperature,
+                e.positions,
+                e.alpha,
+                n,
+                g,
+                s,
                 measured.get((e.category, e.length_bucket, e.temperature, n, g)),
             )
         )
@@ -403,7 +431,9 @@ def _profile(engine, plan, costs, records, estimates, validation):
     t0 = overall[min(plan.temperatures)]
     paying = [t for t, b in sorted(overall.items()) if (b.measured_speedup or b.predicted_speedup) >= 1.0]
     best = t0.draft_layers
-    tau = confidence_threshold([r for r in records if r.temperature == min(plan.temperatures)], str(best), costs["c"][str(best)])
+    tau = confidence_threshold(
+        [r for r in records if r.temperature == min(plan.temperatures)], str(best), costs["c"][str(best)]
+    )
     return Profile(
         model=engine.name,
         fingerprint=engine.model.fingerprint,
@@ -435,4 +465,9 @@ def knee(alpha: dict[str, float]) -> int:
 
 
 def machine_info() -> dict:
-    return {"platform": platform.platform(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {
+        "platform": platform.platform(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }

@@ -1,8 +1,9 @@
 """The decoder forward for Llama-family models (llama, mistral, qwen2), written to exit at any layer.
 
-`run_layers(h, a, b, ...)` runs layers [a, b) and returns the hidden state there; `logits` applies the
-final norm and LM head. Drafting with the first N layers and verifying with the rest are both calls
-of these two functions against one paged KV cache."""
+`forward(x, cache, seqs, start=a, end=b)` is the one entry point: it reserves the cache slots of the
+new tokens, runs layers [a, b) and returns the hidden state there; `logits` applies the final norm and
+LM head. Drafting with the first N layers and verifying with the rest are both calls of these two
+functions against one paged KV cache."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..errors import ModelLoadError
 from .attention import AttentionBatch, paged_attention, write_kv
+from .cache import PagedKVCache, SequenceKV
 from .config import ModelConfig
-from .errors import ModelLoadError
-from .kv_cache import PagedKVCache
 from .rope import RopeTable, apply_rope_
 
 
@@ -34,7 +35,12 @@ class LayerWeights:
 
 class DecoderModel:
     def __init__(
-        self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor, head: torch.Tensor
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        head: torch.Tensor,
     ) -> None:
         self.config = config
         self.embed_weight = embed  # [vocab, hidden]
@@ -56,31 +62,56 @@ class DecoderModel:
         """Identifies the base model across dtypes: its architecture and the bfloat16 bits of a slice
         of its embeddings. Profiles and draft adapters record it and refuse other models."""
         c = self.config
-        arch = f"{c.model_type}|{c.vocab_size}|{c.hidden_size}|{c.intermediate_size}|{c.num_layers}|{c.num_heads}|{c.num_kv_heads}"
+        arch = (
+            f"{c.model_type}|{c.vocab_size}|{c.hidden_size}|{c.intermediate_size}|"
+            f"{c.num_layers}|{c.num_heads}|{c.num_kv_heads}"
+        )
         sample = self.embed_weight[:8, :64].to(torch.bfloat16).view(torch.int16).numpy().tobytes()
         return hashlib.sha256(arch.encode() + sample).hexdigest()[:16]
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
         c = self.config
         blocks = -(-num_tokens // block_size) + 1  # + the reserved null block
-        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=blocks, block_size=block_size, dtype=self.dtype)
+        return PagedKVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=blocks, block_size=block_size, dtype=self.dtype
+        )
 
-    # ---- forward pieces ---------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> hidden [B, S, hidden]."""
-        return F.embedding(tokens, self.embed_weight)
-
-    def run_layers(
-        self, h: torch.Tensor, start: int, end: int, batch: AttentionBatch, cache: PagedKVCache
+    # ---- the forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: PagedKVCache,
+        seqs: list[SequenceKV] | None = None,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        counts: list[int] | None = None,
+        starts: list[int] | None = None,
+        batch: AttentionBatch | None = None,
     ) -> torch.Tensor:
-        """hidden [B, S, hidden] after layer start-1 -> hidden [B, S, hidden] after layer end-1.
-        Writes K/V of these tokens into layers [start, end) of the cache."""
+        """Token ids [B, S] (with start = 0) or hidden states [B, S, hidden] entering layer `start` ->
+        hidden states [B, S, hidden] after layer end - 1 (default: the last layer). Row b holds
+        counts[b] real tokens (default S) written at positions from starts[b] (default: the sequence's
+        length). `batch`: attention metadata already prepared for this pass (a drafter that also
+        reads it); otherwise it is prepared here from `seqs`."""
+        end = self.num_layers if end is None else end
         if not 0 <= start <= end <= self.num_layers:
             raise ValueError(f"layer range [{start}, {end}) outside [0, {self.num_layers}]")
+        if batch is None:
+            if seqs is None:
+                raise ValueError("forward needs the sequences (seqs) or prepared attention metadata (batch)")
+            batch = cache.prepare(seqs, counts or [x.shape[1]] * x.shape[0], starts)
+        h = F.embedding(x, self.embed_weight) if x.dtype == torch.long else x
         cos, sin = self.rope.lookup(batch.positions)  # [B, S, 1, head_dim]
         for i in range(start, end):
             h = self._layer(i, h, cos, sin, batch, cache.layers[i])
         return h
+
+    def prefill(self, cache: PagedKVCache, seq: SequenceKV, tokens: list[int], chunk: int = 512) -> None:
+        """Appends `tokens` to `seq`'s cache through all layers, `chunk` tokens per pass (which bounds the
+        [S, T] attention scores); computes no logits."""
+        for i in range(0, len(tokens), chunk):
+            self.forward(torch.tensor([tokens[i : i + chunk]]), cache, [seq])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import SelfspecError
+from ..errors import SelfspecError
 
 PROFILE_VERSION = 1
 LENGTH_BUCKETS = (64, 256, 1024)  # prompt-token upper bounds; longer prompts fall in the last bucket
@@ -108,3 +108,23 @@ class Profile:
 
 def default_profile_path(fingerprint: str, dtype: str) -> Path:
     return PROFILE_DIR / f"{fingerprint}-{dtype}.json"
+
+
+def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | None":
+    """An explicit profile (object or path), none at all (False), else the shipped one for this model
+    and dtype, if any. A profile of another model is refused."""
+    if profile is False:
+        return None
+    if isinstance(profile, Profile):
+        found = profile
+    elif profile is not None:
+        found = Profile.load(profile)
+    else:
+        path = default_profile_path(model.fingerprint, str(model.dtype).replace("torch.", ""))
+        found = Profile.load(path) if path.is_file() else None
+    if found is not None and found.fingerprint != model.fingerprint:
+        raise SelfspecError(
+            f"profile for model {found.model!r} (fingerprint {found.fingerprint}) does not match this model "
+            f"({model.fingerprint}): calibrate this model with selfspec calibrate"
+        )
+    return found

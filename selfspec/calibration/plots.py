@@ -27,11 +27,28 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
     for t, e in sorted(overall.items()):
         ax.plot(depths, [e.alpha[str(n)] for n in depths], marker="o", label=f"T={t:g}")
     for n, head in getattr(profile, "draft_heads", {}).items():  # where a trained head drafts: the plain exit beside it
-        plain = [head["acceptance"][f"{t:g}"]["alpha_plain_exit"] for t in sorted(overall) if f"{t:g}" in head["acceptance"]]
-        ax.plot([int(n)] * len(plain), plain, "kx", label=f"N={n} plain exit (the points above use the {head['kind']} draft head)")
+        plain = [
+            head["acceptance"][f"{t:g}"]["alpha_plain_exit"] for t in sorted(overall) if f"{t:g}" in head["acceptance"]
+        ]
+        ax.plot(
+            [int(n)] * len(plain),
+            plain,
+            "kx",
+            label=f"N={n} plain exit (the points above use the {head['kind']} draft head)",
+        )
     ax.axvline(profile.knee, color="gray", linestyle="--", label=f"knee N={profile.knee}")
-    ax.axvline(profile.best_draft_layers, color="green", linestyle=":", label=f"best predicted speedup N={profile.best_draft_layers}")
-    ax.set(xlabel="draft depth N (layers)", ylabel="acceptance per drafted token", title=f"{profile.model}: acceptance vs N", ylim=(0, 1))
+    ax.axvline(
+        profile.best_draft_layers,
+        color="green",
+        linestyle=":",
+        label=f"best predicted speedup N={profile.best_draft_layers}",
+    )
+    ax.set(
+        xlabel="draft depth N (layers)",
+        ylabel="acceptance per drafted token",
+        title=f"{profile.model}: acceptance vs N",
+        ylim=(0, 1),
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     paths.append(_save(fig, out / "acceptance_vs_depth.png"))
@@ -42,9 +59,19 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
     gammas = sorted(int(g) for g in e.speedup[n])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(gammas, [e.speedup[n][str(g)] for g in gammas], marker="o", label="predicted E/(γc+v)")
-    measured = [v for v in profile.validation if v["draft_layers"] == profile.best_draft_layers and v["category"] == "all" and v["temperature"] == t0]
+    measured = [
+        v
+        for v in profile.validation
+        if v["draft_layers"] == profile.best_draft_layers and v["category"] == "all" and v["temperature"] == t0
+    ]
     if measured:
-        ax.plot([v["gamma"] for v in measured], [v["measured_speedup"] for v in measured], marker="s", linestyle="none", label="measured end to end")
+        ax.plot(
+            [v["gamma"] for v in measured],
+            [v["measured_speedup"] for v in measured],
+            marker="s",
+            linestyle="none",
+            label="measured end to end",
+        )
     ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
     ax.set(xlabel="γ (draft tokens per round)", ylabel="speedup over plain", title=f"speedup vs γ at N={n}, T={t0:g}")
     ax.grid(alpha=0.3)

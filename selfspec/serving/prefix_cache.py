@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .kv_cache import PagedKVCache
+from ..model.cache import PagedKVCache
 
 
 class PrefixCache:
@@ -16,7 +16,6 @@ class PrefixCache:
         # (key of the previous block, this block's tokens) -> block id, least recently used first.
         self._blocks: OrderedDict[tuple[int, tuple[int, ...]], int] = OrderedDict()
         self.hits = 0  # blocks reused
-        self.queries = 0  # blocks looked up
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -32,7 +31,6 @@ class PrefixCache:
         """Blocks caching the longest whole-block prefix of `tokens`."""
         found, keys = [], []
         for key in self._keys(tokens):
-            self.queries += 1
             block = self._blocks.get(key)
             if block is None:
                 break

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import CacheFullError
 from .attention import AttentionBatch
-from .errors import CacheFullError
 
 NULL_BLOCK = 0  # never handed out: padded query tokens of a batch write here
 
@@ -114,7 +114,9 @@ class PagedKVCache:
             raise ValueError(f"write at {start} would leave a gap: sequence holds {seq.length} positions")
         end = start + num_tokens
         new_blocks = self.blocks_needed(end) - len(seq.block_table)
-        shared = [i for i in range(start // self.block_size, len(seq.block_table)) if self.refcount[seq.block_table[i]] > 1]
+        shared = [
+            i for i in range(start // self.block_size, len(seq.block_table)) if self.refcount[seq.block_table[i]] > 1
+        ]
         if new_blocks + len(shared) > len(self._free):
             raise CacheFullError(
                 f"KV cache full: {new_blocks + len(shared)} more blocks of {self.block_size} tokens needed, "

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .profile import Profile
-from .speculative import SpecConfig
+from .round import SpecConfig
+from .sampling import SamplingParams
 
 DEFAULT_TEMPERATURE_THRESHOLD = 0.7  # brief §5: above ~0.7 acceptance usually falls below break-even
 
@@ -19,20 +20,24 @@ class SpecOverride:
     enabled: bool | None = None
     draft_layers: int | None = None
     num_speculative_tokens: int | None = None
+    drafter: str | None = None  # "exit", "head" or "auto" (default)
 
     def __post_init__(self) -> None:
         if self.enabled is not None and not isinstance(self.enabled, bool):
             raise ValueError(f"enabled={self.enabled!r} is invalid: use true, false or leave it unset")
-        if self.draft_layers is not None or self.num_speculative_tokens is not None:  # validates the values
-            SpecConfig(
-                1 if self.draft_layers is None else self.draft_layers,
-                1 if self.num_speculative_tokens is None else self.num_speculative_tokens,
-            )
+        SpecConfig(  # validates the values that are set
+            1 if self.draft_layers is None else self.draft_layers,
+            1 if self.num_speculative_tokens is None else self.num_speculative_tokens,
+            self.drafter or "auto",
+        )
+
+
+Speculation = SpecConfig | SpecOverride | str | bool | None  # "auto" (the policy), None/False (off), a config
 
 
 @dataclass(frozen=True)
 class PolicyDecision:
-    spec: SpecConfig | None  # None: plain decoding
+    config: SpecConfig | None  # None: plain decoding
     reason: str
     confidence_threshold: float = 0.0  # adaptive draft stop (0 = draft all γ tokens)
 
@@ -48,8 +53,10 @@ class SpecPolicy:
     ) -> None:
         self.profile = profile
         p = profile
-        self.temperature_threshold = temperature_threshold if temperature_threshold is not None else (
-            p.temperature_threshold if p else DEFAULT_TEMPERATURE_THRESHOLD
+        self.temperature_threshold = (
+            temperature_threshold
+            if temperature_threshold is not None
+            else (p.temperature_threshold if p else DEFAULT_TEMPERATURE_THRESHOLD)
         )
         self.min_max_tokens = min_max_tokens if min_max_tokens is not None else (p.min_max_tokens if p else 16)
         self.max_batch_size = max_batch_size if max_batch_size is not None else (p.max_batch_size if p else 8)
@@ -57,6 +64,43 @@ class SpecPolicy:
     def allows_batch(self, batch_size: int) -> bool:
         """Speculation pays only while compute sits idle: off above max_batch_size requests."""
         return batch_size <= self.max_batch_size
+
+    def resolve(
+        self,
+        speculation: Speculation,
+        *,
+        num_layers: int,
+        prompt_tokens: int,
+        params: SamplingParams,
+        category: str | None = None,
+    ) -> PolicyDecision:
+        """Whether and how a request speculates: `speculation` is "auto" (decided from the profile),
+        None / False (plain), a SpecConfig (exactly that), or a SpecOverride (the request's say)."""
+        if speculation is None or speculation is False:
+            return PolicyDecision(None, "off: disabled by the request")
+        if isinstance(speculation, SpecConfig):
+            speculation.check(num_layers)
+            n, g = speculation.draft_layers, speculation.num_speculative_tokens
+            return PolicyDecision(speculation, f"on: requested (N={n}, gamma={g})")
+        if speculation is True:
+            speculation = SpecOverride(enabled=True)
+        elif speculation == "auto":
+            speculation = SpecOverride()
+        elif not isinstance(speculation, SpecOverride):
+            raise ValueError(
+                f"speculation={speculation!r} is invalid: use 'auto', None, a SpecConfig or a SpecOverride"
+            )
+        decision = self.decide(
+            num_layers=num_layers,
+            prompt_tokens=prompt_tokens,
+            temperature=params.temperature,
+            max_tokens=params.max_tokens,
+            category=category,
+            override=speculation,
+        )
+        if decision.config is not None:
+            decision.config.check(num_layers)
+        return decision
 
     def decide(
         self,
@@ -66,20 +110,18 @@ class SpecPolicy:
         temperature: float,
         max_tokens: int,
         category: str | None = None,
-        batch_size: int = 1,
         override: SpecOverride | None = None,
     ) -> PolicyDecision:
+        """The profile's decision for one request (after the request's own override)."""
         o = override or SpecOverride()
         if o.enabled is False:
             return PolicyDecision(None, "off: disabled by the request")
-        if o.enabled or o.draft_layers is not None:
+        if o.enabled or o.draft_layers is not None or o.drafter is not None:
             return self._forced(o, num_layers, prompt_tokens, temperature, category)
         if temperature > self.temperature_threshold:
             return PolicyDecision(None, f"off: temperature {temperature:g} > threshold {self.temperature_threshold:g}")
         if max_tokens < self.min_max_tokens:
             return PolicyDecision(None, f"off: max_tokens {max_tokens} < {self.min_max_tokens}, too short to pay")
-        if not self.allows_batch(batch_size):
-            return PolicyDecision(None, f"off: batch size {batch_size} > {self.max_batch_size}, compute is saturated")
         if self.profile is None:
             return PolicyDecision(None, "off: no calibration profile for this model and dtype (run selfspec calibrate)")
         b = self.profile.bucket(category, prompt_tokens, temperature)
@@ -98,8 +140,11 @@ class SpecPolicy:
             self.profile.confidence_threshold,
         )
 
-    def _forced(self, o: SpecOverride, num_layers: int, prompt_tokens: int, temperature: float, category) -> PolicyDecision:
+    def _forced(
+        self, o: SpecOverride, num_layers: int, prompt_tokens: int, temperature: float, category
+    ) -> PolicyDecision:
         b = self.profile.bucket(category, prompt_tokens, temperature) if self.profile else None
         n = o.draft_layers or (b.draft_layers if b else num_layers // 2)
         gamma = o.num_speculative_tokens or (b.gamma if b and n == b.draft_layers else 4)
-        return PolicyDecision(SpecConfig(n, gamma), f"on: requested (N={n}, gamma={gamma})")
+        config = SpecConfig(n, gamma, o.drafter or "auto")
+        return PolicyDecision(config, f"on: requested (N={n}, gamma={gamma})")

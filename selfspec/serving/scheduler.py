@@ -12,10 +12,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .engine import DecodeStats, Engine, Request, Speculation
-from .errors import SelfspecError
+from ..decoding.engine import Engine
+from ..decoding.policy import Speculation
+from ..decoding.request import Request
+from ..decoding.sampling import SamplingParams
+from ..decoding.stats import DecodeStats
+from ..errors import SelfspecError
+from .blocks import BlockManager
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams
 
 
 class QueueFull(SelfspecError):
@@ -39,13 +43,13 @@ class Submission:
     prompt_ids: list[int]
     params: SamplingParams
     emit: Callable[[Event], None]
-    spec: Speculation = "auto"
+    speculation: Speculation = "auto"
     category: str | None = None
     id: str = ""
     arrival: float = field(default_factory=time.perf_counter)
-    req: Request | None = None
+    req: Request | None = None  # created once, when the request first reaches the head of the queue
     cancelled: bool = False
-    blocks_needed: int = 0
+    blocks_needed: int = 0  # its worst case: prompt + max_tokens + one round's lookahead
 
 
 class Scheduler:
@@ -64,7 +68,9 @@ class Scheduler:
         self.cache = engine.cache
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
-        self.prefix = PrefixCache(self.cache, int(prefix_cache_fraction * self.cache.num_blocks)) if prefix_cache_fraction > 0 else None
+        size = int(prefix_cache_fraction * self.cache.num_blocks)
+        self.prefix = PrefixCache(self.cache, size) if prefix_cache_fraction > 0 else None
+        self.blocks = BlockManager(self.cache, self.prefix)
         self.metrics = metrics
         self.waiting: deque[Submission] = deque()
         self.running: list[Submission] = []
@@ -80,7 +86,9 @@ class Scheduler:
         sub.id = sub.id or f"req-{next(self._ids)}"
         total = self.engine.max_model_len
         if len(sub.prompt_ids) >= total:
-            raise SelfspecError(f"prompt has {len(sub.prompt_ids)} tokens but the context holds {total}: shorten the prompt")
+            raise SelfspecError(
+                f"prompt has {len(sub.prompt_ids)} tokens but the context holds {total}: shorten the prompt"
+            )
         with self._lock:
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests already waiting: retry later")
@@ -162,40 +170,34 @@ class Scheduler:
                 if not self.waiting:
                     return
                 sub = self.waiting[0]
-            try:
-                req = self.engine.add_request(sub.prompt_ids, sub.params, sub.spec, category=sub.category)
-            except (SelfspecError, ValueError) as e:
-                with self._lock:
-                    self.waiting.popleft()
-                sub.emit(Event([], "", "error", error=str(e), status=400))
-                continue
-            gamma = req.spec.num_speculative_tokens if req.spec else 0
-            needed = self.cache.blocks_needed(req.max_length + gamma + 1)
-            cached = self.prefix.match(sub.prompt_ids[:-1]) if self.prefix is not None else []
-            self.cache.share(cached)  # hold the matched blocks so that eviction below cannot free them
-            short = needed - len(cached) - (self.cache.num_free_blocks - self._reserved())
-            if short > 0 and self.prefix is not None:
-                short -= self.prefix.evict(short)
-            if short > 0:
-                self.cache.release(cached)
-                if not self.running:  # nothing will ever free more: this request cannot fit at all
-                    with self._lock:
-                        self.waiting.popleft()
-                    self.engine.release(req)
-                    sub.emit(Event([], "", "error", error=f"request needs {needed} KV blocks, the cache has {self.cache.num_blocks - 1}: lower max_tokens", status=400))
+            if sub.req is None:  # first time at the head of the queue: decide and validate once
+                try:
+                    sub.req = self.engine.add_request(
+                        sub.prompt_ids, sub.params, sub.speculation, category=sub.category
+                    )
+                except (SelfspecError, ValueError) as e:
+                    self._pop(sub)
+                    sub.emit(Event([], "", "error", error=str(e), status=400))
                     continue
-                self.engine.release(req)
-                return  # wait for running requests to finish
-            with self._lock:
-                self.waiting.popleft()
-            if cached:
-                self.cache.adopt(req.kv, cached)
-                self.cache.release(cached)  # the sequence holds its own references now
-            sub.req, sub.blocks_needed = req, needed
-            self.engine.prefill(req)
-            if self.prefix is not None:
-                self.prefix.insert(sub.prompt_ids[:-1], req.kv.block_table)
+                config = sub.req.spec_config
+                lookahead = (config.num_speculative_tokens if config else 0) + 1
+                sub.blocks_needed = self.cache.blocks_needed(sub.req.max_length + lookahead)
+            if not self.blocks.allocate(sub.req.kv, sub.prompt_ids[:-1], sub.blocks_needed, self._reserved()):
+                if self.running:
+                    return  # wait for running requests to finish
+                self._pop(sub)  # nothing will ever free more: this request cannot fit at all
+                have = self.cache.num_blocks - 1
+                error = f"request needs {sub.blocks_needed} KV blocks, the cache has {have}: lower max_tokens"
+                sub.emit(Event([], "", "error", error=error, status=400))
+                continue
+            self._pop(sub)
+            self.engine.prefill(sub.req)
+            self.blocks.remember(sub.prompt_ids[:-1], sub.req.kv)
             self.running.append(sub)
+
+    def _pop(self, sub: Submission) -> None:
+        with self._lock:
+            self.waiting.remove(sub)
 
     def _finish(self, sub: Submission, error: str | None = None, status: int = 200) -> None:
         if sub in self.running:

@@ -76,5 +76,7 @@ def estimate(alpha: float, gamma: int, c: float, verify_cost: float = 1.0, overh
     return Estimate(alpha, gamma, c, verify_cost, overhead)
 
 
-def best_gamma(alpha: float, c: float, verify_cost: float = 1.0, overhead: float = 1.0, max_gamma: int = 16) -> Estimate:
+def best_gamma(
+    alpha: float, c: float, verify_cost: float = 1.0, overhead: float = 1.0, max_gamma: int = 16
+) -> Estimate:
     return max((estimate(alpha, g, c, verify_cost, overhead) for g in range(1, max_gamma + 1)), key=lambda e: e.speedup)

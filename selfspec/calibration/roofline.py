@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .model import DecoderModel
+from ..model.decoder import DecoderModel
 
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB: far larger than any cache level
 
@@ -56,12 +56,10 @@ def weight_bytes(model: DecoderModel) -> int:
 def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: int = 9) -> Roofline:
     cache = model.new_cache(context + max_k + 16)
     seq = cache.allocate()
-    batch = cache.prepare([seq], [context])
-    model.run_layers(model.embed(torch.arange(context)[None] % model.config.vocab_size), 0, model.num_layers, batch, cache)
+    model.forward(torch.arange(context)[None] % model.config.vocab_size, cache, [seq])
 
     def forward(k: int) -> None:
-        b = cache.prepare([seq], [k])
-        h = model.run_layers(model.embed(torch.full((1, k), 7)), 0, model.num_layers, b, cache)
+        h = model.forward(torch.full((1, k), 7), cache, [seq])
         model.logits(h).argmax(-1)
         cache.truncate(seq, context)
 

@@ -78,18 +78,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs [B, vocab] -> token ids [B]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, vocab] -> token ids [B]; greedy skips the probability computation."""
-    if params.greedy:
-        return logits.argmax(-1)
-    return sample(process_logits(logits, params), generator)
-
-
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     if seed is None:

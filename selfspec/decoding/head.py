@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionBatch, gather_kv
-from .errors import SelfspecError
-from .kv_cache import PagedKVCache
-from .model import DecoderModel, linear
+from ..errors import SelfspecError
+from ..model.attention import AttentionBatch, gather_kv
+from ..model.cache import PagedKVCache
+from ..model.decoder import DecoderModel, linear
+from .drafter import ExitDrafter
 
 KINDS = ("affine", "mlp", "attn")
 DRAFT_DIR = Path(__file__).resolve().parent / "drafts"
@@ -144,7 +145,25 @@ class DraftHead:
         save_file(tensors, str(path), metadata={"selfspec": json.dumps(meta)})
 
 
-def build(model: DecoderModel, draft_layers: int, adapter: Adapter, vocab: torch.Tensor | None, metadata: dict | None = None) -> DraftHead:
+class HeadDrafter(ExitDrafter):
+    """The early exit at the head's depth, with the trained head between layer N and the LM head."""
+
+    name = "head"
+
+    def __init__(self, head: DraftHead) -> None:
+        super().__init__(head.draft_layers)
+        self.head = head
+
+    def describe(self) -> dict:
+        return dict(super().describe(), kind=self.head.kind, vocab_subset=self.head.vocab_subset)
+
+    def logits(self, model: DecoderModel, h: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
+        return self.head.draft(h, batch, cache)
+
+
+def build(
+    model: DecoderModel, draft_layers: int, adapter: Adapter, vocab: torch.Tensor | None, metadata: dict | None = None
+) -> DraftHead:
     """A draft head for `model` at depth N; the adapter is cast to the model's dtype."""
     if not 1 <= draft_layers < model.num_layers:
         raise SelfspecError(f"draft_layers={draft_layers} is invalid for a {model.num_layers}-layer model")
@@ -177,7 +196,7 @@ def load(path: str | Path, model: DecoderModel) -> DraftHead:
             f"{meta.get('base_fingerprint')}), not this one ({model.fingerprint}): train one with selfspec train-draft"
         )
     adapter = new_adapter(model, meta["kind"], meta.get("rank", 256))
-    adapter.load_state_dict({k[len("adapter."):]: v for k, v in tensors.items() if k.startswith("adapter.")})
+    adapter.load_state_dict({k[len("adapter.") :]: v for k, v in tensors.items() if k.startswith("adapter.")})
     return build(model, int(meta["draft_layers"]), adapter, tensors.get("vocab"), meta)
 
 
@@ -185,3 +204,11 @@ def default_path(model: DecoderModel) -> Path | None:
     """The shipped draft head for this model, if there is one."""
     found = sorted(DRAFT_DIR.glob(f"{model.fingerprint}-*.safetensors"))
     return found[0] if found else None
+
+
+def find(model: DecoderModel, head: DraftHead | str | bool | None) -> DraftHead | None:
+    """An explicit draft head (object or path), none (False), else the shipped one for this model."""
+    if head is False or isinstance(head, DraftHead):
+        return head or None
+    path = head if head is not None else default_path(model)
+    return load(path, model) if path else None

@@ -17,16 +17,27 @@ class Metrics:
         self.draft_tokens = Counter("selfspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted_tokens = Counter("selfspec_spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.accepted_per_pos = Counter(
-            "selfspec_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position", ["position"], registry=r
+            "selfspec_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position",
+            ["position"],
+            registry=r,
         )
         for position in range(8):  # the usual positions show from the start, at zero
             self.accepted_per_pos.labels(str(position))
         self.prompt_tokens = Counter("selfspec_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("selfspec_generation_tokens", "Tokens generated", registry=r)
-        self.requests = Counter("selfspec_request_success", "Requests finished, by reason", ["finished_reason"], registry=r)
-        self.ttft = Histogram("selfspec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("selfspec_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("selfspec_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "selfspec_request_success", "Requests finished, by reason", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "selfspec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "selfspec_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "selfspec_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
         self.running = Gauge("selfspec_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("selfspec_num_requests_waiting", "Requests queued", registry=r)
         self.blocks_used = Gauge("selfspec_kv_cache_blocks_used", "KV cache blocks in use", registry=r)

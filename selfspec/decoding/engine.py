@@ -1,0 +1,263 @@
+"""The engine and its layered API: `step` (one decoding step of one request) -> `stream_generate`
+(yields a `GenerationChunk` per token) -> `generate` (the whole result); `step_batch` runs one round
+for many requests (the scheduler's unit).
+
+Cache invariant: a request's KV cache holds every token except the last one, which is the input of
+the next step. Plain decoding feeds that one token; speculative decoding feeds it plus a draft."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import SelfspecError
+from ..model.loader import DEFAULT_MODEL, LoadedModel, load
+from . import head as heads
+from .detokenizer import TextStream
+from .drafter import Drafter, ExitDrafter
+from .head import DraftHead, HeadDrafter
+from .policy import SpecPolicy, Speculation
+from .profile import Profile, find_profile
+from .request import GenerationChunk, GenerationResult, Request, StepOutput
+from .round import RoundInput, SpecConfig, run_round
+from .sampling import SamplingParams, make_generator
+from .stats import DecodeStats, SpecStats, snapshot
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill forward: bounds the [S, T] attention scores
+DEFAULT_KV_TOKENS = 8192
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        profile: Profile | str | bool | None = None,
+        draft_head: DraftHead | str | bool | None = None,
+    ) -> None:
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name
+        self.checkpoint_dir = loaded.checkpoint_dir
+        config = self.model.config
+        tokens = kv_cache_tokens or min(config.max_position_embeddings, DEFAULT_KV_TOKENS)
+        if tokens < 1:
+            raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: must be >= 1")
+        self.cache = self.model.new_cache(tokens, block_size)
+        self.max_model_len = min(config.max_position_embeddings, self.cache.capacity_tokens)
+        eos = set(config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.policy = SpecPolicy(find_profile(self.model, profile))
+        head = heads.find(self.model, draft_head)
+        self.heads: dict[int, DraftHead] = {head.draft_layers: head} if head else {}
+        self._drafters: dict[tuple[str, int], Drafter] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str | torch.dtype = "float32",
+        kv_cache_tokens: int | None = None,
+        num_threads: int | None = None,
+        profile: Profile | str | bool | None = None,
+        draft_head: DraftHead | str | bool | None = None,
+    ) -> "Engine":
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads={num_threads}: must be >= 1")
+            torch.set_num_threads(num_threads)
+        return cls(load(model, dtype), kv_cache_tokens=kv_cache_tokens, profile=profile, draft_head=draft_head)
+
+    # ---- prompts ----------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
+        """A string (chat-templated as one user turn unless chat=False), a list of chat messages, or
+        token ids."""
+        if isinstance(prompt, str):
+            if not chat:
+                return self.tokenizer(prompt).input_ids
+            prompt = [{"role": "user", "content": prompt}]
+        prompt = list(prompt)
+        if not prompt:
+            raise SelfspecError("empty prompt: give a string, chat messages or token ids")
+        if all(isinstance(t, int) for t in prompt):
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SelfspecError(f"model {self.name!r} has no chat template: pass raw text (--raw / chat=False)")
+        text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    # ---- drafters ---------------------------------------------------------------------------------
+    def drafter(self, config: SpecConfig) -> Drafter:
+        """The drafter a configuration names: `head` (the trained head at its depth), `exit` (the plain
+        early exit) or `auto` (the head where one exists at that depth, else the exit). One instance
+        per (kind, depth): requests drafting with the same one share every pass of a round."""
+        config.check(self.model.num_layers)
+        kind = config.drafter
+        if kind == "auto":
+            kind = "head" if config.draft_layers in self.heads else "exit"
+        if kind == "head" and config.draft_layers not in self.heads:
+            have = ", ".join(f"N={n}" for n in self.heads) or "none loaded"
+            raise SelfspecError(
+                f"drafter 'head' at draft_layers={config.draft_layers}: no draft head at that depth ({have}); "
+                "pass --draft-head PATH or use drafter 'exit'"
+            )
+        key = (kind, config.draft_layers)
+        if key not in self._drafters:
+            n = config.draft_layers
+            self._drafters[key] = HeadDrafter(self.heads[n]) if kind == "head" else ExitDrafter(n)
+        return self._drafters[key]
+
+    # ---- the step API -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        speculation: Speculation = "auto",
+        *,
+        category: str | None = None,
+    ) -> Request:
+        decision = self.policy.resolve(
+            speculation,
+            num_layers=self.model.num_layers,
+            prompt_tokens=len(prompt_ids),
+            params=params,
+            category=category,
+        )
+        config = decision.config
+        drafter = self.drafter(config) if config is not None else None
+        if not prompt_ids:
+            raise SelfspecError("empty prompt: it must hold at least one token")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise SelfspecError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise SelfspecError(
+                f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}: shorten the prompt"
+            )
+        spec_stats = None
+        if config is not None:
+            spec_stats = SpecStats(config.draft_layers, config.num_speculative_tokens, drafter=drafter.name)
+        return Request(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            kv=self.cache.allocate(),
+            generator=make_generator(params.seed),
+            text=TextStream(self.tokenizer, prompt_ids, params.stop),
+            max_length=min(self.max_model_len, len(prompt_ids) + params.max_tokens),
+            eos_token_ids=self.eos_token_ids,
+            spec_config=config,
+            confidence_threshold=decision.confidence_threshold,
+            stats=DecodeStats(prompt_tokens=len(prompt_ids), spec=spec_stats, spec_policy=decision.reason),
+        )
+
+    def step(self, req: Request) -> StepOutput:
+        """One decoding step: a speculative round when the request asks for one, else one plain token.
+        The first step prefills; it is always plain, which gives the first token at the lowest latency
+        and measures the full-step cost that the draft cost ratio c is taken against."""
+        return self.step_batch([req])[0]
+
+    @torch.inference_mode()
+    def step_batch(self, reqs: list[Request], *, speculate: bool = True) -> list[StepOutput]:
+        """One round for several requests at once (continuous batching's unit). Requests drafting with
+        the same drafter share every pass; plain rows (first steps, speculation off, or
+        `speculate=False`) ride along with 0 drafts. Different drafters run as separate groups."""
+        for req in reqs:
+            if req.finished:
+                raise SelfspecError("request already finished")
+            if not req.prefilled:
+                self.prefill(req)
+        groups: dict[Drafter | None, list[tuple[int, int]]] = {}  # drafter -> [(request index, γ_b)]
+        for i, req in enumerate(reqs):
+            config = req.spec_config
+            if speculate and config is not None and req.stats.steps > 0 and req.remaining > 1:
+                gamma = min(config.num_speculative_tokens, req.remaining - 1)
+                groups.setdefault(self.drafter(config), []).append((i, gamma))
+            else:
+                groups.setdefault(None, []).append((i, 0))
+        if None in groups and len(groups) > 1:  # plain rows join a speculating group's passes
+            plain = groups.pop(None)
+            groups[next(iter(groups))] += plain
+        outputs: list[StepOutput | None] = [None] * len(reqs)
+        for drafter, rows in groups.items():
+            group = [reqs[i] for i, _ in rows]
+            for i, out in zip((i for i, _ in rows), self._round(group, drafter, [g for _, g in rows])):
+                outputs[i] = out
+        return outputs
+
+    def _round(self, reqs: list[Request], drafter: Drafter | None, gammas: list[int]) -> list[StepOutput]:
+        step = RoundInput(
+            seqs=[r.kv for r in reqs],
+            last=[r.last_token for r in reqs],
+            params=[r.params for r in reqs],
+            generators=[r.generator for r in reqs],
+            gammas=gammas,
+            drafter=drafter,
+            confidence_threshold=max(r.confidence_threshold for r in reqs),
+        )
+        start = time.perf_counter()
+        result = run_round(self.model, self.cache, step)
+        elapsed = time.perf_counter() - start
+        outputs = []
+        for row, req in enumerate(reqs):
+            outputs.append(req.append(result.tokens[row]))
+            req.stats.record_step(result, row, elapsed, alone=drafter is None)
+        return outputs
+
+    def release(self, req: Request) -> None:
+        self.cache.free(req.kv)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def stream_generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        speculation: Speculation = "auto",
+        chat: bool = True,
+        category: str | None = None,
+    ) -> Iterator[GenerationChunk]:
+        params = params or SamplingParams()
+        req = self.add_request(self.encode(prompt, chat=chat), params, speculation, category=category)
+        try:
+            while not req.finished:
+                out = self.step(req)
+                for i, (token, text) in enumerate(zip(out.token_ids, out.texts)):
+                    last = i == len(out.token_ids) - 1
+                    reason = req.finish_reason if last else None
+                    yield GenerationChunk(token, text, reason, snapshot(req.stats))
+        finally:
+            self.release(req)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        speculation: Speculation = "auto",
+        chat: bool = True,
+        category: str | None = None,
+    ) -> GenerationResult:
+        text, ids, reason, stats = [], [], "length", DecodeStats()
+        for chunk in self.stream_generate(prompt, params, speculation=speculation, chat=chat, category=category):
+            text.append(chunk.text)
+            ids.append(chunk.token_id)
+            reason, stats = chunk.finish_reason or reason, chunk.stats
+        return GenerationResult("".join(text), ids, reason, stats)
+
+    # ---- pieces the scheduler drives --------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> None:
+        """Runs the prompt (all but its last token, minus any prefix already cached) into the cache."""
+        start = time.perf_counter()
+        self.model.prefill(self.cache, req.kv, req.prompt_ids[req.kv.length : -1], PREFILL_CHUNK)
+        req.stats.prefill_seconds = time.perf_counter() - start
+        req.prefilled = True

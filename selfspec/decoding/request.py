@@ -1,0 +1,94 @@
+"""A request's lifecycle: its tokens, cache view, sampling state and statistics, and what each
+appended token does to it (stop strings, EOS, length), plus the chunks and results handed back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.cache import SequenceKV
+from .detokenizer import TextStream
+from .round import SpecConfig
+from .sampling import SamplingParams
+from .stats import DecodeStats
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]
+    texts: list[str]  # text delta per token
+
+
+@dataclass
+class GenerationChunk:
+    token_id: int
+    text: str  # text this token made visible (may be empty, e.g. mid UTF-8 character)
+    finish_reason: str | None  # None while running, then "stop" or "length"
+    stats: DecodeStats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: DecodeStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    kv: SequenceKV
+    generator: torch.Generator
+    text: TextStream
+    max_length: int  # prompt + output may not exceed this many tokens
+    eos_token_ids: frozenset[int] = frozenset()
+    spec_config: SpecConfig | None = None  # None: plain decoding
+    confidence_threshold: float = 0.0  # adaptive draft stop
+    prefilled: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the request may still emit."""
+        return self.max_length - len(self.prompt_ids) - len(self.output_ids)
+
+    def append(self, tokens: list[int]) -> StepOutput:
+        """Appends sampled tokens until one finishes the request; returns those kept with their text."""
+        out = StepOutput([], [])
+        p = self.params
+        for token in tokens:
+            self.output_ids.append(token)
+            self.stats.generated_tokens += 1
+            text = self.text.push(token)
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids or self.text.stopped:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= p.max_tokens or self.remaining <= 0:
+                self.finish_reason = "length"
+            if self.finished:
+                text += self.text.flush()
+            out.token_ids.append(token)
+            out.texts.append(text)
+            if self.finished:
+                break
+        return out

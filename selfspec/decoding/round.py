@@ -1,0 +1,150 @@
+"""One decoding round over a batch of sequences sharing the paged KV cache: plain (one token) or
+speculative (a drafter proposes up to γ tokens per row, one pass verifies them, the accepted prefix
+stays and the rest is dropped by a length edit).
+
+Every sequence enters a round with its cache holding all of its tokens but the last one, `last`,
+at position p0 = seq.length, and leaves it the same way."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SelfspecError
+from ..model.cache import PagedKVCache, SequenceKV
+from ..model.decoder import DecoderModel
+from .acceptance import AcceptanceResult, greedy_accept, rejection_sample
+from .drafter import Drafter
+from .sampling import SamplingParams, process_rows, sample_rows
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
+DRAFTERS = ("auto", "exit", "head")  # auto: the trained head where one exists at the depth, else the exit
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Draft with the first `draft_layers` layers through `drafter`; propose `num_speculative_tokens`
+    (γ) per round."""
+
+    draft_layers: int
+    num_speculative_tokens: int = 4
+    drafter: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter={self.drafter!r} is invalid: use one of {', '.join(DRAFTERS)}")
+        n, g = self.draft_layers, self.num_speculative_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"draft_layers={n!r} is invalid: use an integer >= 1 (and below the model's layer count)")
+        if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens={g!r} is invalid: use an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+
+    def check(self, num_layers: int) -> None:
+        if self.draft_layers >= num_layers:
+            raise SelfspecError(
+                f"draft_layers={self.draft_layers} is invalid for a {num_layers}-layer model: use 1..{num_layers - 1}"
+            )
+
+
+@dataclass
+class RoundInput:
+    """Everything one round needs, one object per round (rows are sequences of a batch)."""
+
+    seqs: list[SequenceKV]  # [B] each holding all of its tokens but `last`
+    last: list[int]  # [B] the token each row feeds first
+    params: list[SamplingParams]  # [B]
+    generators: list[torch.Generator | None]  # [B]
+    gammas: list[int] | None = None  # [B] draft tokens per row at most (0: a plain row); None: all 0
+    drafter: Drafter | None = None  # None: a plain round
+    confidence_threshold: float = 0.0  # > 0: a row stops drafting once its top draft probability falls below
+
+    def __post_init__(self) -> None:
+        self.gammas = [0] * len(self.seqs) if self.gammas is None else list(self.gammas)
+
+
+@dataclass
+class RoundResult:
+    tokens: list[list[int]]  # per row: the tokens this round emitted
+    num_accepted: list[int]  # per row: accepted drafts (speculative rounds; 0 for plain ones)
+    drafted: list[int]  # per row: draft tokens (γ, or fewer: length cap, adaptive stop, plain rows)
+    draft_seconds: float = 0.0  # the sequential draft steps
+    verify_seconds: float = 0.0  # the rest: verification, acceptance, rollback
+
+
+def run_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
+    """A speculative round when the step has a drafter and some row may draft, else a plain one."""
+    if step.drafter is None or not any(step.gammas):
+        return plain_round(model, cache, step)
+    return speculative_round(model, cache, step)
+
+
+def plain_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
+    h = model.forward(torch.tensor(step.last)[:, None], cache, step.seqs)  # [B, 1, hidden]
+    ids, _ = sample_rows(model.logits(h[:, -1]), step.params, step.generators)  # [B]
+    rows = len(step.seqs)
+    return RoundResult([[int(t)] for t in ids], [0] * rows, [0] * rows)
+
+
+def speculative_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
+    """Draft (up to γ_b tokens per row), verify [last, d_1 .. d_γb] in one pass, keep the accepted prefix.
+    Rows with γ_b = 0 are plain steps sharing the round's passes."""
+    p0 = [s.length for s in step.seqs]
+    start = time.perf_counter()
+    draft = step.drafter.propose(model, cache, step)
+    drafted = time.perf_counter()
+    counts = [len(d) + 1 for d in draft.tokens]
+    x = draft.hidden if draft.hidden is not None else _token_inputs(step.last, draft.tokens)
+    # Verification: inputs [last, d_1 .. d_γ] at positions p0 .. p0 + γ. The logits at index i are the
+    # target's distribution for position p0 + i + 1: they judge draft d_{i+1}; index γ gives the bonus.
+    h = model.forward(x, cache, step.seqs, start=draft.resume, counts=counts, starts=p0)  # [B, γ_max + 1, hidden]
+    target_logits = model.logits(h)  # [B, γ_max + 1, vocab]
+    result = _accept(draft.tokens, draft.probs, target_logits, step.params, step.generators)
+    for b, seq in enumerate(step.seqs):
+        cache.truncate(seq, p0[b] + int(result.num_accepted[b]) + 1)  # rollback = a length edit
+    tokens = [result.tokens(b) for b in range(len(step.seqs))]
+    drafted_per_row = [len(d) for d in draft.tokens]
+    return RoundResult(
+        tokens, result.num_accepted.tolist(), drafted_per_row, drafted - start, time.perf_counter() - drafted
+    )
+
+
+def _token_inputs(last: list[int], drafts: list[list[int]]) -> torch.Tensor:
+    """[B, γ_max + 1] token ids [last, d_1 ..] per row, padded with token 0."""
+    x = torch.zeros(len(last), max(len(d) for d in drafts) + 1, dtype=torch.long)
+    for b, (t, d) in enumerate(zip(last, drafts)):
+        x[b, : len(d) + 1] = torch.tensor([t, *d])
+    return x
+
+
+def _accept(
+    drafts: list[list[int]],
+    probs: list[list[torch.Tensor]],
+    target_logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> AcceptanceResult:
+    """drafts: per row d_1..d_γb; probs: per row q_1..q_γb (empty for greedy rows); target_logits
+    [B, γ_max + 1, vocab]. Rows are padded to γ_max and capped at their own γ_b."""
+    rows, vocab = target_logits.shape[0], target_logits.shape[-1]
+    width = target_logits.shape[1] - 1
+    caps = torch.tensor([len(d) for d in drafts])  # [B]
+    draft_ids = torch.zeros(rows, width, dtype=torch.long)  # [B, γ_max], padded with token 0
+    for b, d in enumerate(drafts):
+        draft_ids[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+    if all(p.greedy for p in params):
+        return greedy_accept(draft_ids, target_logits.argmax(-1), caps)
+    q = torch.zeros(rows, width, vocab)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
+    for b, d in enumerate(drafts):
+        for i, t in enumerate(d):
+            if i < len(probs[b]):
+                q[b, i] = probs[b][i]
+            else:  # a greedy row drafted in an all-greedy pass: its q is the one-hot of its argmax
+                q[b, i, t] = 1.0
+    p = process_rows(target_logits, params)  # [B, γ_max + 1, vocab]
+    return rejection_sample(draft_ids, q, p, generators, caps)
