@@ -60,8 +60,8 @@ def test_teacher_forced_acceptance_is_exact():
     sampled, _, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
     assert all(0.0 <= b <= 1.0 for b in sampled["2"])
     for layer in model.layers[2:]:  # upper layers add nothing: the exit at 2 is the model
-        layer.wo.zero_()
-        layer.w_down.zero_()
+        layer.o = model.make_linear(torch.zeros(layer.o.out_features, layer.o.in_features))
+        layer.down = model.make_linear(torch.zeros(layer.down.out_features, layer.down.in_features))
     same, _, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
     assert same["2"] == pytest.approx([1.0] * len(cont), abs=1e-5)
     assert cache.num_used_blocks == 0

@@ -34,8 +34,8 @@ def test_identity_upper_layers_accept_everything(tiny_checkpoint):
     target, so every draft is accepted, greedy and sampled alike."""
     engine = Engine.from_pretrained(str(tiny_checkpoint))
     for layer in engine.model.layers[2:]:
-        layer.wo.zero_()
-        layer.w_down.zero_()
+        layer.o = engine.model.make_linear(torch.zeros(layer.o.out_features, layer.o.in_features))
+        layer.down = engine.model.make_linear(torch.zeros(layer.down.out_features, layer.down.in_features))
     for params in (GREEDY, SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)):
         r = engine.generate("hi", params, speculation=SpecConfig(2, 4))
         s = r.stats.spec

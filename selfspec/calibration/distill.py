@@ -206,7 +206,7 @@ def _init_attention(adapter: Adapter, model: DecoderModel, n: int) -> None:
     c, w = model.config, model.layers[n - 1]
     with torch.no_grad():
         adapter.attn_norm.copy_(w.attn_norm.float())
-        adapter.wq.weight.copy_(w.wqkv[: c.num_heads * c.head_dim].float())
+        adapter.wq.weight.copy_(w.qkv.dequantized()[: c.num_heads * c.head_dim])
 
 
 def _attn_batch(

@@ -22,6 +22,11 @@ class Roofline:
     step_ms: float  # a measured one-token decode step
     step_over_bound: float
     k_costs: dict[int, float]  # k -> forward over k tokens / forward over 1 token
+    weights: str = ""  # the linears' weight format
+    backends: dict[str, int] | None = None  # kernel backend -> how many linears it runs
+    row_exact: bool = False  # every linear gives a row the same bits whatever the row count
+    memory_bytes: int = 0  # the model's weights in memory: linears, norms and the embedding
+    kernel_notes: list[str] | None = None  # fallbacks and measurements behind the backend choice
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,12 +49,10 @@ def read_bandwidth(repeats: int = 5) -> float:
 
 
 def weight_bytes(model: DecoderModel) -> int:
-    total = model.head_weight.numel() * model.head_weight.element_size()
-    for layer in model.layers:
-        for t in vars(layer).values():
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes one decoding step reads: every linear in its stored form, and the norms."""
+    norms = [layer.attn_norm for layer in model.layers] + [layer.mlp_norm for layer in model.layers]
+    norms.append(model.norm_weight)
+    return sum(lin.nbytes for lin in model.linears()) + sum(t.numel() * t.element_size() for t in norms)
 
 
 @torch.inference_mode()
@@ -67,6 +70,11 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
     bandwidth = read_bandwidth()
     nbytes = weight_bytes(model)
     bound = nbytes / (bandwidth * 1e9)
+    backends: dict[str, int] = {}
+    for lin in model.linears():
+        backends[type(lin).name] = backends.get(type(lin).name, 0) + 1
+    floats = [model.embed_weight] + ([] if model.head_weight is model.embed_weight else [model.head_weight])
+    memory = nbytes + sum(t.numel() * t.element_size() for t in floats)  # + the float tables kept beside
     return Roofline(
         bandwidth_gb_s=bandwidth,
         weight_bytes=nbytes,
@@ -74,4 +82,9 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
         step_ms=times[1] * 1e3,
         step_over_bound=times[1] / bound,
         k_costs={k: t / times[1] for k, t in times.items()},
+        weights=model.kernels.weights,
+        backends=backends,
+        row_exact=all(type(lin).row_exact for lin in model.linears()),
+        memory_bytes=memory,
+        kernel_notes=list(model.kernels.reasons),
     )

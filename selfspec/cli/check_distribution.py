@@ -44,6 +44,7 @@ def _body(args) -> int:
     engine = Engine.from_pretrained(
         args.model,
         dtype=args.dtype,
+        weights=args.weights,
         kv_cache_tokens=args.kv_cache_tokens,
         num_threads=args.threads,
         draft_head=draft_head_arg(args),

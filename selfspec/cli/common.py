@@ -8,6 +8,7 @@ from typing import Callable
 
 from selfspec.decoding.round import DRAFTERS
 from selfspec.errors import SelfspecError
+from selfspec.kernels.choice import WEIGHTS
 
 EXIT_BAD_INPUT = 2
 
@@ -30,7 +31,14 @@ def positive_int(text: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a checkpoint dir, or a .gguf")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations' (compute) dtype")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=WEIGHTS,
+        help="the linears' weight format: auto (the dtype's own, on the fastest exact kernel here), float32, "
+        "bfloat16, int8 (per channel) or int4 (groups of 32; a 4-bit GGUF's own codes)",
+    )
     p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
     p.add_argument(
         "--kv-cache-tokens", type=positive_int, help="KV cache capacity in tokens (default: min(context, 8192))"

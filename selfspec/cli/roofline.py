@@ -15,6 +15,7 @@ def build_parser() -> ArgumentParser:
     add_model_args(p)
     p.add_argument("--context", type=positive_int, default=128, help="tokens already in the cache (default 128)")
     p.add_argument("--max-k", type=positive_int, default=16, help="largest k of the k-token forward curve")
+    p.add_argument("--compare", help="more weight formats to measure side by side, e.g. float32,int8,int4")
     p.add_argument("--out", help="also write <out>.json and <out>.md (with the machine described)")
     p.add_argument("--json", action="store_true")
     return p
@@ -28,8 +29,12 @@ def _body(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    r = measure(load(args.model, args.dtype).model, context=args.context, max_k=args.max_k)
-    text = _report(r, args.dtype)
+    formats = list(dict.fromkeys([args.weights] + [w for w in (args.compare or "").split(",") if w]))
+    results = {}
+    for weights in formats:  # one model at a time: the memory of one is freed before the next loads
+        results[weights] = measure(load(args.model, args.dtype, weights).model, context=args.context, max_k=args.max_k)
+    text = "\n\n".join(_report(r, args.dtype) for r in results.values())
+    data = {w: r.to_dict() for w, r in results.items()}
     if args.out:
         from pathlib import Path
 
@@ -38,32 +43,34 @@ def _body(args) -> int:
         m = machine_info()
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(
-            json.dumps({"model": args.model, "dtype": args.dtype, "machine": m, **r.to_dict()}, indent=1)
-        )
+        payload = {"model": args.model, "dtype": args.dtype, "machine": m, "weights": data}
+        out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
         header = (
-            f"# Roofline: {args.model}, {args.dtype}\n\n"
+            f"# Roofline: {args.model}, {args.dtype} activations\n\n"
             f"Machine: {m['platform']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.\n\n"
         )
         out.with_suffix(".md").write_text(header + "```\n" + text + "\n```\n")
-    print(json.dumps(r.to_dict()) if args.json else text)
+    print(json.dumps(data) if args.json else text)
     return 0
 
 
 def _report(r, dtype: str) -> str:
     verdict = "at the memory wall" if r.step_over_bound <= 1.5 else "above the wall: overhead or compute, not bandwidth"
-    return "\n".join(
-        [
-            f"read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s",
-            f"weights read per step   {r.weight_bytes / 1e6:8.1f} MB ({dtype})",
-            f"step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
-            f"measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
-            f"measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
-            "",
-            "forward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):",
-            "  " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()),
-        ]
-    )
+    backends = ", ".join(f"{name} x{n}" for name, n in r.backends.items())
+    lines = [
+        f"weights {r.weights} ({dtype} activations): linears on {backends}; "
+        f"row-exact: {'yes' if r.row_exact else 'no'}",
+        f"  read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s",
+        f"  weights read per step   {r.weight_bytes / 1e6:8.1f} MB",
+        f"  weights in memory       {r.memory_bytes / 1e6:8.1f} MB (with the float embedding table)",
+        f"  step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
+        f"  measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
+        f"  measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
+        "  forward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):",
+        "    " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()),
+    ]
+    lines += [f"  note: {note}" for note in r.kernel_notes or []]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

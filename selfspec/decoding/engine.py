@@ -66,6 +66,7 @@ class Engine:
         model: str = DEFAULT_MODEL,
         *,
         dtype: str | torch.dtype = "float32",
+        weights: str = "auto",
         kv_cache_tokens: int | None = None,
         num_threads: int | None = None,
         profile: Profile | str | bool | None = None,
@@ -75,7 +76,8 @@ class Engine:
             if num_threads < 1:
                 raise ValueError(f"num_threads={num_threads}: must be >= 1")
             torch.set_num_threads(num_threads)
-        return cls(load(model, dtype), kv_cache_tokens=kv_cache_tokens, profile=profile, draft_head=draft_head)
+        loaded = load(model, dtype, weights)
+        return cls(loaded, kv_cache_tokens=kv_cache_tokens, profile=profile, draft_head=draft_head)
 
     # ---- prompts ----------------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat: bool = True) -> list[int]:
@@ -156,7 +158,13 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             spec_config=config,
             confidence_threshold=decision.confidence_threshold,
-            stats=DecodeStats(prompt_tokens=len(prompt_ids), spec=spec_stats, spec_policy=decision.reason),
+            stats=DecodeStats(
+                prompt_tokens=len(prompt_ids),
+                spec=spec_stats,
+                spec_policy=decision.reason,
+                weights=self.model.kernels.weights,
+                backend=self.model.kernels.backend,
+            ),
         )
 
     def step(self, req: Request) -> StepOutput:

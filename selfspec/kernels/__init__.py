@@ -1,0 +1,13 @@
+"""Linear kernels: every weight of the model is one `Linear` object made at load time, called with
+activations [..., in]. A backend is one file; `BACKENDS` lists them by name. Backends the machine or
+the torch build lacks say why (`Linear.unavailable`), and the loader falls back to `dense`."""
+
+from .base import Linear
+from .dense import Dense
+from .int4 import Int4
+from .int8 import Int8
+from .onednn import OneDNN
+
+BACKENDS: dict[str, type[Linear]] = {b.name: b for b in (Dense, OneDNN, Int8, Int4)}
+
+__all__ = ["BACKENDS", "Dense", "Int4", "Int8", "Linear", "OneDNN"]

@@ -1,0 +1,54 @@
+"""The one linear interface every kernel backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class Linear(ABC):
+    """y = x @ W.T + b [+ residual] for one weight W [out, in], stored the way its backend wants.
+
+    `row_exact`: row i of a k-row call is bit-identical to a 1-row call on that row. Speculative
+    verification runs k rows where plain decoding runs one, so fp32 greedy output equals plain greedy
+    output exactly only when every linear is row-exact."""
+
+    name: ClassVar[str]
+    row_exact: ClassVar[bool]
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.dtype = dtype  # the activations' dtype, in and out
+        self.bias = None if bias is None else bias.to(dtype)
+
+    @classmethod
+    def unavailable(cls, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run activations of `dtype` here (None: it can)."""
+        return None
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] (self.dtype) -> [rows, out] (self.dtype), without bias."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes a forward reads for this weight (its stored form, scales included)."""
+
+    def dequantized(self) -> torch.Tensor:
+        """[out, in] float32: the weight this backend multiplies by, whatever its stored form (for
+        tests, error reports and draft-head initialisation)."""
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        return self.matmul(eye).float().t().contiguous()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.out_features)
+        y = self.matmul(x.reshape(-1, self.in_features)).view(shape)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.out_features}x{self.in_features}, {self.dtype})"

@@ -1,0 +1,151 @@
+"""Which backend runs the model's linears: the weight format the user asked for, on the fastest
+backend that keeps the target exact, measured once per machine and cached.
+
+`weights`: `auto` (the activation dtype's own float format), `float32`, `bfloat16`, `int8`, `int4`.
+For float formats, backends that are row-exact (see base.Linear) come first: fp32 greedy speculative
+output must equal plain greedy output bit for bit. Among several candidates the timing decides, and
+that choice is cached under the model cache keyed by the CPU model, its ISA flags, the thread count
+and the torch version, so another machine or torch build measures again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .base import Linear
+from .dense import Dense
+from .int4 import Int4
+from .int8 import Int8
+from .onednn import OneDNN
+
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
+FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLOAT_BACKENDS = (OneDNN, Dense)  # preference order when nothing was measured
+QUANTIZED = {"int8": Int8, "int4": Int4}
+TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
+
+
+@dataclass
+class KernelPlan:
+    weights: str  # the weight format the linears hold: float32, bfloat16, int8, int4
+    backend: str  # the backend's name (kernels.BACKENDS)
+    row_exact: bool
+    reasons: list[str] = field(default_factory=list)  # fallbacks and measurements behind the choice
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(
+    dtype: torch.dtype, weights: str = "auto", *, sample: torch.Tensor | None = None, cache: Path | None = None
+) -> KernelPlan:
+    """The weight format and backend for activations of `dtype`. `sample`: a weight [out, in] of the
+    model to time candidates on; `cache`: where measured choices are kept."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r} is invalid: use one of {', '.join(WEIGHTS)}")
+    name = str(dtype).replace("torch.", "")
+    if weights in FLOAT_FORMATS and FLOAT_FORMATS[weights] != dtype:
+        raise ValueError(
+            f"weights={weights} with dtype {name}: float weights run in their own dtype (use --dtype {weights})"
+        )
+    if weights in QUANTIZED:
+        backend = QUANTIZED[weights]
+        why = backend.unavailable(dtype)
+        if why is None:
+            return KernelPlan(weights, backend.name, backend.row_exact)
+        fallback = _float_plan(dtype, sample, cache)
+        fallback.reasons.insert(0, f"{weights} weights unavailable ({why}): running {name} weights")
+        return fallback
+    return _float_plan(dtype, sample, cache)
+
+
+def _float_plan(dtype: torch.dtype, sample: torch.Tensor | None, cache: Path | None) -> KernelPlan:
+    name = str(dtype).replace("torch.", "")
+    reasons, usable = [], []
+    for backend in FLOAT_BACKENDS:
+        why = backend.unavailable(dtype)
+        if why:
+            reasons.append(f"{backend.name}: {why}")
+        else:
+            usable.append(backend)
+    exact = [b for b in usable if b.row_exact] or usable
+    if not any(b.row_exact for b in usable):
+        reasons.append(
+            f"no row-exact {name} backend here: speculative output may differ from plain output at near-ties"
+        )
+    if len(exact) > 1 and sample is not None:
+        timings = _timings(exact, sample, dtype, cache)
+        exact.sort(key=lambda b: timings[b.name])
+        reasons.append("measured ms at 1/5 rows: " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))
+    chosen = exact[0]
+    return KernelPlan(name, chosen.name, chosen.row_exact, reasons)
+
+
+def machine_key() -> dict:
+    """What a cached measurement is valid for."""
+    cpu, flags = platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and cpu == platform.machine():
+                cpu = value.strip()
+            elif name.strip() in ("flags", "Features") and not flags:
+                flags = value.strip()
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+def _timings(
+    backends: list[type[Linear]], sample: torch.Tensor, dtype: torch.dtype, cache: Path | None
+) -> dict[str, float]:
+    """Mean of the 1-row and 5-row medians (ms) per backend on `sample`, cached per machine."""
+    key = json.dumps(
+        {**machine_key(), "dtype": str(dtype), "shape": list(sample.shape), "backends": [b.name for b in backends]},
+        sort_keys=True,
+    )
+    stored = _read(cache)
+    if key in stored:
+        return stored[key]
+    result = {}
+    for backend in backends:
+        linear = backend(sample, None, dtype)
+        result[backend.name] = statistics.fmean(_median_ms(linear, rows, dtype) for rows in TIMED_ROWS)
+    if cache is not None:
+        stored[key] = result
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(stored, indent=1))
+    return result
+
+
+def _median_ms(linear: Linear, rows: int, dtype: torch.dtype, repeats: int = 15) -> float:
+    x = torch.randn(rows, linear.in_features).to(dtype)
+    linear(x)  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        linear(x)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3
+
+
+def _read(cache: Path | None) -> dict:
+    if cache is None or not cache.is_file():
+        return {}
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}  # a damaged cache is measured again

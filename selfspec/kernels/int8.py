@@ -1,0 +1,27 @@
+"""int8 weight-only: each output channel's weights as int8 codes with one scale
+(`aten._weight_int8pack_mm`): a quarter of the float32 bytes. Activations stay float32 or bfloat16."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Linear
+
+
+class Int8(Linear):
+    name = "int8"
+    row_exact = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(*weight.shape, bias, dtype)
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out], symmetric per channel
+        self.codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [out, in]
+        self.scales = scale.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
