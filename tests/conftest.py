@@ -68,6 +68,14 @@ def default_engine():
 
 
 @pytest.fixture(scope="session")
+def int4_engine():
+    """The default model with its GGUF's own 4-bit codes in the linears (float32 activations)."""
+    from selfspec import Engine
+
+    return Engine.from_pretrained("default", dtype="float32", weights="int4")
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, default_checkpoint) -> Path:
     """A random 4-layer llama with the default model's tokenizer, saved as a checkpoint directory."""
     out = tmp_path_factory.mktemp("tiny-llama")

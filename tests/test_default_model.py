@@ -55,3 +55,18 @@ def test_stop_string_ends_text_before_it(default_engine):
         "What is the capital of France?", SamplingParams(temperature=0, max_tokens=30, stop=("Paris",))
     )
     assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index("Paris")]
+
+
+def test_int4_weights_are_the_gguf_codes(default_engine, int4_engine):
+    """Q4_1 codes loaded straight into the int4 layout (scale d, zero m + 8d) multiply by the values
+    transformers dequantizes the GGUF to, up to the bfloat16 rounding of the scales and zeros (the
+    kernel's); the Q8_0 embedding, re-quantized for the LM head, is within int4's error."""
+    for i in (0, 29):
+        ours, ref = int4_engine.model.layers[i], default_engine.model.layers[i]
+        for name in ("qkv", "o", "gate_up", "down"):
+            a, b = getattr(ours, name).dequantized(), getattr(ref, name).dequantized()
+            # bf16 keeps 8 significant bits: |(q - 8) s + z| errs by at most ~2^-8 (8 |s| + |z|) per weight
+            assert (a - b).abs().max() <= 2**-7 * b.abs().max()
+            assert (a - b).abs().mean() <= 2**-9 * b.abs().mean()
+    head = int4_engine.model.head.dequantized() - default_engine.model.head_weight
+    assert head.abs().max() < 0.2 * default_engine.model.head_weight.abs().max()

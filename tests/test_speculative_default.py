@@ -28,6 +28,23 @@ def test_greedy_equals_plain_on_dev_prompts(default_engine, plain_outputs, draft
         assert result.token_ids == plain_outputs[prompt], f"diverged on {prompt[:60]!r}"
 
 
+def test_active_kernels_are_row_exact(default_engine, int4_engine):
+    """What the equality above rests on: every linear gives a row the same bits in a k-row
+    verification as in a 1-row plain step (oneDNN prepacked fp32, int4)."""
+    for engine in (default_engine, int4_engine):
+        assert engine.model.kernels.row_exact, engine.model.kernels
+
+
+def test_int4_greedy_equals_plain_on_dev_prompts(int4_engine):
+    """The 4-bit target: speculation over int4 linears equals plain decoding with them."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for prompt in PROMPTS[:4]:
+        plain = int4_engine.generate(prompt, params, speculation=None)
+        result = int4_engine.generate(prompt, params, speculation=SpecConfig(15, 3))
+        assert result.stats.backend == "int4" and result.stats.spec.rounds > 0
+        assert result.token_ids == plain.token_ids, f"diverged on {prompt[:60]!r}"
+
+
 @torch.inference_mode()
 def test_sampled_logliks_match_plain(default_engine):
     """500 sampled continuations (4 tokens, T=0.8) with and without speculation: KS test on their

@@ -67,6 +67,7 @@ class Engine:
         *,
         dtype: str | torch.dtype = "float32",
         weights: str = "auto",
+        backend: str | None = None,
         kv_cache_tokens: int | None = None,
         num_threads: int | None = None,
         profile: Profile | str | bool | None = None,
@@ -76,7 +77,7 @@ class Engine:
             if num_threads < 1:
                 raise ValueError(f"num_threads={num_threads}: must be >= 1")
             torch.set_num_threads(num_threads)
-        loaded = load(model, dtype, weights)
+        loaded = load(model, dtype, weights, backend)
         return cls(loaded, kv_cache_tokens=kv_cache_tokens, profile=profile, draft_head=draft_head)
 
     # ---- prompts ----------------------------------------------------------------------------------

@@ -44,10 +44,16 @@ class KernelPlan:
 
 
 def plan(
-    dtype: torch.dtype, weights: str = "auto", *, sample: torch.Tensor | None = None, cache: Path | None = None
+    dtype: torch.dtype,
+    weights: str = "auto",
+    *,
+    sample: torch.Tensor | None = None,
+    cache: Path | None = None,
+    backend: str | None = None,
 ) -> KernelPlan:
     """The weight format and backend for activations of `dtype`. `sample`: a weight [out, in] of the
-    model to time candidates on; `cache`: where measured choices are kept."""
+    model to time candidates on; `cache`: where measured choices are kept; `backend`: a float backend
+    forced by name (benchmarks compare `dense`, the reference, with the chosen one)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is invalid: use one of {', '.join(WEIGHTS)}")
     name = str(dtype).replace("torch.", "")
@@ -63,6 +69,16 @@ def plan(
         fallback = _float_plan(dtype, sample, cache)
         fallback.reasons.insert(0, f"{weights} weights unavailable ({why}): running {name} weights")
         return fallback
+    if backend is not None:
+        forced = {b.name: b for b in FLOAT_BACKENDS}.get(backend)
+        if forced is None:
+            raise ValueError(
+                f"backend={backend!r} is invalid for float weights: use one of {[b.name for b in FLOAT_BACKENDS]}"
+            )
+        why = forced.unavailable(dtype)
+        if why:
+            raise ValueError(f"backend {backend} cannot run {name} here: {why}")
+        return KernelPlan(name, forced.name, forced.row_exact, ["forced by the caller"])
     return _float_plan(dtype, sample, cache)
 
 

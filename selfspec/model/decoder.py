@@ -8,7 +8,7 @@ functions against one paged KV cache."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -169,7 +169,7 @@ def build_model(
     or None when absent. `kernels`: the weight format and backend of the linears (default: the
     dtype's float weights on the best backend here). `codes(name)`: a weight's own 4-bit codes
     (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing."""
-    kernels = kernels or plan(dtype)
+    kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype)  # notes added below
     backend = BACKENDS[kernels.backend]
 
     def need(name: str) -> torch.Tensor:
@@ -186,9 +186,20 @@ def build_model(
         """One linear over the weights `names` stacked along the output dimension."""
         found = [codes(n) for n in names] if codes is not None and backend is Int4 else []
         if found and all(c is not None for c in found):
+            own.append(names[0])
             return Int4.from_codes(*(torch.cat(parts) for parts in zip(*found)), bias, dtype)
         weight = torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
-        return backend(weight, bias, dtype)
+        return quantized(backend(weight, bias, dtype), weight, names[0])
+
+    errors: dict[str, float] = {}
+    own: list[str] = []  # linears built from the checkpoint's own 4-bit codes
+
+    def quantized(lin: Linear, weight: torch.Tensor, name: str) -> Linear:
+        """Records the relative (Frobenius) error of a weight re-quantized here."""
+        if kernels.weights in ("int8", "int4"):
+            w = weight.float()
+            errors[name] = float((lin.dequantized() - w).norm() / w.norm().clamp(min=1e-12))
+        return lin
 
     layers = []
     for i in range(config.num_layers):
@@ -209,4 +220,13 @@ def build_model(
         )
     embed = need("model.embed_tokens.weight")
     head = embed if config.tie_word_embeddings else need("lm_head.weight")
-    return DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)
+    model = DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)
+    quantized(model.head, head, "lm_head.weight")
+    if errors:
+        worst = max(errors, key=errors.get)
+        kernels.reasons.append(
+            f"{len(errors)} linears re-quantized to {kernels.weights} from float weights"
+            + (f" ({len(own)} are the checkpoint's own 4-bit codes)" if own else "")
+            + f": relative error mean {sum(errors.values()) / len(errors):.4f}, worst {errors[worst]:.4f} ({worst})"
+        )
+    return model

