@@ -209,12 +209,19 @@ def test_calibrate_bad_arguments(capsys, tiny_checkpoint, tmp_path):
 
 def test_roofline_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
     assert (
-        main(["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--json", "--out", str(tmp_path / "roof")])
+        main(
+            ["roofline", "--model", str(tiny_checkpoint), "--max-k", "4", "--compare", "int4", "--json"]
+            + ["--out", str(tmp_path / "roof")]
+        )
         == 0
     )
-    r = json.loads(capsys.readouterr().out)
+    both = json.loads(capsys.readouterr().out)
+    assert set(both) == {"float32", "int4"}
+    r, q = both["float32"], both["int4"]
     assert r["bandwidth_gb_s"] > 0 and r["weight_bytes"] > 0 and r["step_ms"] > 0
     assert set(r["k_costs"]) == {"1", "2", "3", "4"} and r["k_costs"]["1"] == 1.0
+    assert r["linear_ms"] > 0 and abs(r["linear_ms"] + r["other_ms"] - r["step_ms"]) < 1e-6
+    assert q["backends"] == {"int4": sum(r["backends"].values())} and q["weight_bytes"] < r["weight_bytes"] / 4
     assert json.loads((tmp_path / "roof.json").read_text())["machine"]["cores"] > 0
     assert "measured / bound" in (tmp_path / "roof.md").read_text()
 

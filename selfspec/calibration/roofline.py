@@ -22,6 +22,8 @@ class Roofline:
     step_ms: float  # a measured one-token decode step
     step_over_bound: float
     k_costs: dict[int, float]  # k -> forward over k tokens / forward over 1 token
+    linear_ms: float = 0.0  # the step's linears alone, run back to back on one row
+    other_ms: float = 0.0  # the rest of a step: norms, RoPE, cache writes, attention, sampling, Python
     weights: str = ""  # the linears' weight format
     backends: dict[str, int] | None = None  # kernel backend -> how many linears it runs
     row_exact: bool = False  # every linear gives a row the same bits whatever the row count
@@ -67,6 +69,9 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
         cache.truncate(seq, context)
 
     times = {k: _median_time(lambda: forward(k), repeats) for k in range(1, max_k + 1)}
+    linears = model.linears()
+    inputs = [torch.randn(1, lin.in_features).to(model.dtype) for lin in linears]
+    linear_s = _median_time(lambda: [lin(x) for lin, x in zip(linears, inputs)], repeats)
     bandwidth = read_bandwidth()
     nbytes = weight_bytes(model)
     bound = nbytes / (bandwidth * 1e9)
@@ -82,6 +87,8 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
         step_ms=times[1] * 1e3,
         step_over_bound=times[1] / bound,
         k_costs={k: t / times[1] for k, t in times.items()},
+        linear_ms=linear_s * 1e3,
+        other_ms=(times[1] - linear_s) * 1e3,
         weights=model.kernels.weights,
         backends=backends,
         row_exact=all(type(lin).row_exact for lin in model.linears()),

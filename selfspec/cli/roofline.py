@@ -32,7 +32,8 @@ def _body(args) -> int:
     formats = list(dict.fromkeys([args.weights] + [w for w in (args.compare or "").split(",") if w]))
     results = {}
     for weights in formats:  # one model at a time: the memory of one is freed before the next loads
-        results[weights] = measure(load(args.model, args.dtype, weights).model, context=args.context, max_k=args.max_k)
+        r = measure(load(args.model, args.dtype, weights).model, context=args.context, max_k=args.max_k)
+        results[r.weights] = r  # keyed by the format that ran (auto resolves to one)
     text = "\n\n".join(_report(r, args.dtype) for r in results.values())
     data = {w: r.to_dict() for w, r in results.items()}
     if args.out:
@@ -66,6 +67,8 @@ def _report(r, dtype: str) -> str:
         f"  step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
         f"  measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
         f"  measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
+        f"  of a step: linears      {r.linear_ms:8.2f} ms, the rest {r.other_ms:.2f} ms "
+        "(norms, RoPE, cache writes, attention, sampling, Python)",
         "  forward over k tokens, cost relative to k = 1 (verification of k - 1 drafts costs this):",
         "    " + "  ".join(f"k={k}:{c:.2f}" for k, c in r.k_costs.items()),
     ]
