@@ -10,7 +10,7 @@ import json
 import math
 import random
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -290,7 +290,8 @@ class TrainResult:
     head: DraftHead | None = None
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "head"}
+        # Not asdict(self): it would deep-copy the head, whose packed kernel weights cannot be copied.
+        return {k: v for k, v in asdict(replace(self, head=None)).items() if k != "head"}
 
 
 def prepare_data(model: DecoderModel, prompts: list[list[int]], eos: set[int], cfg: TrainConfig, log=print) -> dict:
