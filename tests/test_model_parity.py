@@ -136,3 +136,35 @@ def test_bfloat16_tracks_float32():
     assert got.dtype == torch.float32  # logits always come back in float32
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+@torch.inference_mode()
+def test_k_token_pass_equals_k_single_steps_bit_for_bit(weights, model_type):
+    """What lossless fp32 verification rests on: a pass over k new tokens (verification) computes each
+    position to the same bits as k one-token passes (plain decoding), with the kernels chosen here,
+    through every layer, attention (and a sliding window) included; and a batch of one-token steps
+    equals each step alone."""
+    from selfspec.kernels.choice import plan
+
+    hf = tiny_hf_model(model_type, **({"sliding_window": 6} if model_type == "mistral" else {}))
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    model = build_model(config, hf.state_dict().get, torch.float32, plan(torch.float32, weights))
+    assert all(type(lin).row_exact for lin in model.linears())
+    cache = model.new_cache(256, block_size=4)
+    seqs = [cache.allocate() for _ in range(2)]
+    for seq, prompt in zip(seqs, (list(range(3, 20)), list(range(50, 59)))):
+        model.forward(torch.tensor([prompt]), cache, [seq])
+    base = [s.length for s in seqs]
+    tokens = [7, 100, 12, 250, 3]
+    steps = [model.logits(model.forward(torch.tensor([[t]]), cache, [seqs[0]]))[0, 0] for t in tokens]
+    cache.truncate(seqs[0], base[0])
+    verify = model.logits(model.forward(torch.tensor([tokens]), cache, [seqs[0]]))[0]
+    assert all(torch.equal(verify[i], steps[i]) for i in range(len(tokens)))
+    cache.truncate(seqs[0], base[0])
+    alone = [model.logits(model.forward(torch.tensor([[9]]), cache, [s]))[0, 0] for s in seqs]
+    for s, n in zip(seqs, base):
+        cache.truncate(s, n)
+    batched = model.logits(model.forward(torch.tensor([[9], [9]]), cache, seqs))[:, 0]
+    assert torch.equal(batched[0], alone[0]) and torch.equal(batched[1], alone[1])

@@ -57,7 +57,30 @@ def gather_kv(layer_kv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     return blocks[:, :, :, :t]
 
 
+ROW_EXACT_QUERIES = 64  # up to this many queries in a pass, each is attended on its own (see below)
+
+
 def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBatch, window: int | None) -> torch.Tensor:
-    """q [B, heads, S, head_dim] -> [B, heads, S, head_dim]; keys/values read through the block table."""
+    """q [B, heads, S, head_dim] -> [B, heads, S, head_dim]; keys/values read through the block table.
+
+    A pass of a few queries (decoding, verification, a batch of steps) attends each query on its own,
+    over exactly the keys it may see and without a mask: SDPA's inner matmuls round a query's row
+    differently when other rows (or masked keys) share the call, and verification must compute each
+    position to the same bits as the plain step that would have computed it alone. A long pass (a
+    prompt) is one masked call."""
     kv = gather_kv(layer_kv, batch)
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)
+    b, _, s, _ = q.shape
+    if b * s > ROW_EXACT_QUERIES:
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)
+    if b * s == 1:  # a plain decoding step: its keys are exactly the gathered ones
+        start = 0 if window is None else max(0, batch.kv_lens[0] - window)
+        return F.scaled_dot_product_attention(q, kv[0, :, :, start:], kv[1, :, :, start:], enable_gqa=True)
+    out = torch.empty_like(q)
+    for i in range(b):
+        for j in range(batch.num_tokens[i]):
+            end = int(batch.positions[i, j]) + 1  # keys [0, position] in a causal pass
+            start = 0 if window is None else max(0, end - window)
+            k, v = kv[0, i : i + 1, :, start:end], kv[1, i : i + 1, :, start:end]
+            qij = q[i : i + 1, :, j : j + 1]
+            out[i : i + 1, :, j : j + 1] = F.scaled_dot_product_attention(qij, k, v, enable_gqa=True)
+    return out
