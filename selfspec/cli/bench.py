@@ -17,7 +17,15 @@ from pathlib import Path
 from selfspec.data import DEV_SET
 
 from .calibrate import heldout_ids, load_questions
-from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
+from .common import (
+    ArgumentParser,
+    add_draft_head_args,
+    add_model_args,
+    draft_head_arg,
+    engine_from_args,
+    positive_int,
+    run,
+)
 
 PROG = "selfspec bench"
 HF_METHODS = ("hf", "hf-early-exit", "hf-prompt-lookup")
@@ -123,18 +131,9 @@ class Runner:
 
 
 def _body(args) -> int:
-    from selfspec import Engine
 
     methods = parse_methods(args.compare)
-    engine = Engine.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        weights=args.weights,
-        kv_cache_tokens=args.kv_cache_tokens,
-        num_threads=args.threads,
-        profile=args.profile,
-        draft_head=draft_head_arg(args),
-    )
+    engine = engine_from_args(args, profile=args.profile, draft_head=draft_head_arg(args))
     held = heldout_ids(engine) if args.heldout_only else None
     if args.heldout_only and not held:
         raise ValueError(

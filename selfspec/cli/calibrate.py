@@ -9,7 +9,15 @@ from pathlib import Path
 
 from selfspec.data import DEV_SET
 
-from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
+from .common import (
+    ArgumentParser,
+    add_draft_head_args,
+    add_model_args,
+    draft_head_arg,
+    engine_from_args,
+    positive_int,
+    run,
+)
 
 PROG = "selfspec calibrate"
 
@@ -97,7 +105,6 @@ def load_questions(path: str, per_category: int, only: set[str] | None = None) -
 def _body(args) -> int:
     from tqdm import tqdm
 
-    from selfspec import Engine
     from selfspec.calibration.calibrate import CalibrationPlan, calibrate
 
     depths, gammas, temps = int_range(args.draft_layers), int_range(args.gammas), float_list(args.temperatures)
@@ -105,15 +112,7 @@ def _body(args) -> int:
         raise ValueError(f"--gammas {args.gammas}: use values in 1..32")
     if min(temps) < 0:
         raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
-    engine = Engine.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        weights=args.weights,
-        kv_cache_tokens=args.kv_cache_tokens,
-        num_threads=args.threads,
-        profile=False,
-        draft_head=draft_head_arg(args),
-    )
+    engine = engine_from_args(args, profile=False, draft_head=draft_head_arg(args))
     # A draft head has seen its training prompts: acceptance measured on them would flatter it.
     held = None if args.all_prompts else heldout_ids(engine) or None
     questions = load_questions(args.data, args.per_category, held)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import json
 
-from .common import ArgumentParser, add_draft_head_args, add_model_args, draft_head_arg, positive_int, run
+from .common import (
+    ArgumentParser,
+    add_draft_head_args,
+    add_model_args,
+    draft_head_arg,
+    engine_from_args,
+    positive_int,
+    run,
+)
 
 PROG = "selfspec check-distribution"
 
@@ -34,21 +42,14 @@ def build_parser() -> ArgumentParser:
 
 
 def _body(args) -> int:
-    from selfspec import Engine, SamplingParams, SpecConfig
+    from selfspec import SamplingParams, SpecConfig
     from selfspec.calibration.distribution import SIGNIFICANCE, compare
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if params.greedy:
         raise ValueError("--temperature 0 is greedy: there is no distribution to compare (use > 0)")
     config = SpecConfig(args.draft_layers, args.gamma)
-    engine = Engine.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        weights=args.weights,
-        kv_cache_tokens=args.kv_cache_tokens,
-        num_threads=args.threads,
-        draft_head=draft_head_arg(args),
-    )
+    engine = engine_from_args(args, draft_head=draft_head_arg(args))
     drafter = engine.drafter(config)  # the head at its depth, else the exit, as in generate
     head = engine.heads.get(config.draft_layers)
     prompt = engine.encode(args.prompt, chat=not args.raw)

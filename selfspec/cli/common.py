@@ -45,6 +45,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def engine_from_args(args: argparse.Namespace, **options):
+    """The engine the model options (add_model_args) describe; `options`: more Engine.from_pretrained
+    arguments (profile, draft_head)."""
+    from selfspec import Engine
+
+    return Engine.from_pretrained(
+        args.model,
+        dtype=args.dtype,
+        weights=args.weights,
+        kv_cache_tokens=args.kv_cache_tokens,
+        num_threads=args.threads,
+        **options,
+    )
+
+
 def run(
     prog: str, parser: argparse.ArgumentParser, argv: list[str] | None, body: Callable[[argparse.Namespace], int]
 ) -> int:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import ArgumentParser, add_model_args, add_spec_args, draft_head_arg, positive_int, run, spec_from_args
+from .common import (
+    ArgumentParser,
+    add_model_args,
+    add_spec_args,
+    draft_head_arg,
+    engine_from_args,
+    positive_int,
+    run,
+    spec_from_args,
+)
 
 PROG = "selfspec generate"
 
@@ -45,7 +54,7 @@ def _prompt(args) -> str | list[dict]:
 
 
 def _body(args) -> int:
-    from selfspec import Engine, SamplingParams
+    from selfspec import SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -58,15 +67,7 @@ def _body(args) -> int:
     )
     prompt = _prompt(args)
     speculation = spec_from_args(args)
-    engine = Engine.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        weights=args.weights,
-        kv_cache_tokens=args.kv_cache_tokens,
-        num_threads=args.threads,
-        profile=args.profile,
-        draft_head=draft_head_arg(args),
-    )
+    engine = engine_from_args(args, profile=args.profile, draft_head=draft_head_arg(args))
     if args.json:
         result = engine.generate(prompt, params, speculation=speculation, chat=not args.raw, category=args.category)
         print(json.dumps(result.to_dict()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_model_args, engine_from_args, positive_int, run
 
 PROG = "selfspec serve"
 
@@ -26,21 +26,13 @@ def build_parser() -> ArgumentParser:
 def _body(args) -> int:
     import uvicorn
 
-    from selfspec import Engine
     from selfspec.serving.server import create_app
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: use 1..65535")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting {args.max_waiting}: use >= 0")
-    engine = Engine.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        weights=args.weights,
-        kv_cache_tokens=args.kv_cache_tokens,
-        num_threads=args.threads,
-        profile=args.profile,
-    )
+    engine = engine_from_args(args, profile=args.profile)
     app = create_app(
         engine,
         served_model_name=args.served_model_name or args.model,
