@@ -108,3 +108,12 @@ def test_request_override():
         SpecOverride(num_speculative_tokens=99)
     with pytest.raises(ValueError, match="enabled='yes'"):
         SpecOverride(enabled="yes")
+
+
+def test_override_picks_the_drafter():
+    d = SpecPolicy(None).decide(
+        num_layers=30, prompt_tokens=10, temperature=0.0, max_tokens=64, override=SpecOverride(drafter="exit")
+    )
+    assert d.config is not None and d.config.drafter == "exit" and d.reason.startswith("on: requested")
+    with pytest.raises(ValueError, match="drafter='lookahead' is invalid"):
+        SpecOverride(drafter="lookahead")

@@ -227,3 +227,12 @@ def test_mixed_batch_sampled_rows_follow_the_target(small_vocab_model):
     for s in seqs + [root]:
         cache.free(s)
     assert cache.num_used_blocks == 0
+
+
+def test_drafter_choice_is_named_and_checked(tiny_engine):
+    """`exit` drafts with the plain early exit and says so; `head` without a head at that depth is a
+    clear error, not a silent fallback."""
+    r = tiny_engine.generate("abc", GREEDY, speculation=SpecConfig(2, 2, "exit"))
+    assert r.stats.spec.drafter == "exit" and r.stats.spec.rounds > 0
+    with pytest.raises(SelfspecError, match="no draft head at that depth"):
+        tiny_engine.generate("abc", GREEDY, speculation=SpecConfig(2, 2, "head"))
