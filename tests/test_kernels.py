@@ -149,3 +149,21 @@ def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "machine_key", lambda: {**key, "torch": "0.0.0-other"})
     plan(torch.float32, sample=sample, cache=cache)
     assert len(calls) == 2 * measured  # another torch version measures again
+
+
+def test_a_shape_the_backend_cannot_pack_runs_dense_and_says_so():
+    """int4 packs 16 output rows at a time: a 250-token vocabulary's LM head runs on dense, the other
+    linears stay int4, and the plan records it (and no longer claims row-exactness)."""
+    from selfspec.model.config import ModelConfig
+    from selfspec.model.decoder import build_model
+
+    from .conftest import tiny_hf_model
+
+    hf = tiny_hf_model("llama", vocab_size=250)
+    model = build_model(
+        ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, torch.float32, plan(torch.float32, "int4")
+    )
+    assert type(model.head).name == "dense" and all(type(lin).name == "int4" for lin in model.layers[0].linears())
+    assert any("250x64 weight runs on dense" in r for r in model.kernels.reasons) and not model.kernels.row_exact
+    cache = model.new_cache(16)
+    assert model.logits(model.forward(torch.tensor([[1, 2, 3]]), cache, [cache.allocate()])).shape[-1] == 250

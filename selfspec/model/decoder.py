@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-from ..kernels import BACKENDS, Int4, Linear
+from ..kernels import BACKENDS, Dense, Int4, Linear
 from ..kernels.choice import KernelPlan, plan
 from ..kernels.int4 import Int4Codes
 from .attention import AttentionBatch, paged_attention, write_kv
@@ -62,8 +62,7 @@ class DecoderModel:
 
     def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A linear of this model's weight format and backend for weight [out, in]."""
-        backend = BACKENDS[self.kernels.backend]
-        return backend(weight, bias, self.dtype)
+        return make_linear(self.kernels, weight, bias, self.dtype)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()] + [self.head]
@@ -158,6 +157,21 @@ class DecoderModel:
         return w.down(F.silu(gate).mul_(up), residual=h)
 
 
+def make_linear(kernels: KernelPlan, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:
+    """`kernels`' backend for this weight, or the dense reference where that backend cannot take its
+    shape (int4 packs 16 output rows and whole groups at a time); the plan then says so."""
+    try:
+        return BACKENDS[kernels.backend](weight, bias, dtype)
+    except (RuntimeError, ValueError) as e:
+        note = (
+            f"a {weight.shape[0]}x{weight.shape[1]} weight runs on dense: {kernels.backend}: {str(e).splitlines()[0]}"
+        )
+        if note not in kernels.reasons:
+            kernels.reasons.append(note)
+        kernels.row_exact = kernels.row_exact and Dense.row_exact
+        return Dense(weight, bias, dtype)
+
+
 def build_model(
     config: ModelConfig,
     get: Callable[[str], torch.Tensor | None],
@@ -189,14 +203,14 @@ def build_model(
             own.append(names[0])
             return Int4.from_codes(*(torch.cat(parts) for parts in zip(*found)), bias, dtype)
         weight = torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
-        return quantized(backend(weight, bias, dtype), weight, names[0])
+        return quantized(make_linear(kernels, weight, bias, dtype), weight, names[0])
 
     errors: dict[str, float] = {}
     own: list[str] = []  # linears built from the checkpoint's own 4-bit codes
 
     def quantized(lin: Linear, weight: torch.Tensor, name: str) -> Linear:
         """Records the relative (Frobenius) error of a weight re-quantized here."""
-        if kernels.weights in ("int8", "int4"):
+        if kernels.weights in ("int8", "int4") and not isinstance(lin, Dense):
             w = weight.float()
             errors[name] = float((lin.dequantized() - w).norm() / w.norm().clamp(min=1e-12))
         return lin
