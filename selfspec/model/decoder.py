@@ -184,7 +184,6 @@ def build_model(
     dtype's float weights on the best backend here). `codes(name)`: a weight's own 4-bit codes
     (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing."""
     kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype)  # notes added below
-    backend = BACKENDS[kernels.backend]
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -198,7 +197,7 @@ def build_model(
 
     def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """One linear over the weights `names` stacked along the output dimension."""
-        found = [codes(n) for n in names] if codes is not None and backend is Int4 else []
+        found = [codes(n) for n in names] if codes is not None and kernels.backend == Int4.name else []
         if found and all(c is not None for c in found):
             own.append(names[0])
             return Int4.from_codes(*(torch.cat(parts) for parts in zip(*found)), bias, dtype)
