@@ -49,7 +49,7 @@ def test_teacher_forced_acceptance_is_exact():
     model = ours(hf)
     cache = model.new_cache(256)
     prompt, cont = [3, 9, 4], [7, 1, 22, 5, 5]
-    accept, top, _ = teacher_forced_acceptance(model, cache, prompt, cont, [1, 3], 0.0)
+    accept, top, *_ = teacher_forced_acceptance(model, cache, prompt, cont, [1, 3], 0.0)
     tokens = torch.tensor([prompt + cont])
     full = hf(tokens, output_hidden_states=True)
     target = full.logits[0, 2:-1].argmax(-1)
@@ -57,12 +57,12 @@ def test_teacher_forced_acceptance_is_exact():
         draft = model.logits(full.hidden_states[n][0, 2:-1]).argmax(-1)
         assert accept[str(n)] == (draft == target).float().tolist()
         assert len(top[str(n)]) == len(cont)
-    sampled, _, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
+    sampled, *_ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
     assert all(0.0 <= b <= 1.0 for b in sampled["2"])
     for layer in model.layers[2:]:  # upper layers add nothing: the exit at 2 is the model
         layer.o = model.make_linear(torch.zeros(layer.o.out_features, layer.o.in_features))
         layer.down = model.make_linear(torch.zeros(layer.down.out_features, layer.down.in_features))
-    same, _, _ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
+    same, *_ = teacher_forced_acceptance(model, cache, prompt, cont, [2], 0.7)
     assert same["2"] == pytest.approx([1.0] * len(cont), abs=1e-5)
     assert cache.num_used_blocks == 0
 
@@ -82,8 +82,8 @@ def test_teacher_forced_acceptance_with_a_draft_head(kind):
     head = build(model, 2, adapter, None)
     cache = model.new_cache(256)
     prompt, cont = [3, 9, 4], [7, 1, 22, 5, 5, 9, 13, 2]
-    accept, _, plain = teacher_forced_acceptance(model, cache, prompt, cont, [1, 2], 0.0, {2: head})
-    without, _, none = teacher_forced_acceptance(model, cache, prompt, cont, [1, 2], 0.0)
+    accept, _, plain, _ = teacher_forced_acceptance(model, cache, prompt, cont, [1, 2], 0.0, {2: head})
+    without, _, none, _ = teacher_forced_acceptance(model, cache, prompt, cont, [1, 2], 0.0)
     assert plain == {"2": without["2"]} and none == {} and accept["1"] == without["1"]
     seq = cache.allocate()  # drafting step by step with the head agrees with its teacher-forced form
     stepwise = []
@@ -133,13 +133,16 @@ def test_calibrate_writes_profile_and_plots(calibrated, capsys):
     out, _ = calibrated
     profile = Profile.load(out / "profile.json")
     assert profile.num_layers == 4 and profile.draft_layers == [1, 2, 3] and profile.temperatures == [0.0, 0.7]
-    assert set(profile.draft_cost) == {"1", "2", "3"} and all(c > 0 for c in profile.draft_cost.values())
+    assert set(profile.draft_cost) == {"1", "2", "3", "int4", "lookup"} and all(
+        c > 0 for c in profile.draft_cost.values()
+    )
     cats = {b.category for b in profile.buckets}
     # the tiny model's 512-token context leaves out the long summarization and RAG prompts, and says so
     assert len(profile.skipped_prompts) == 2
     assert "all" in cats and "translation" in cats and len(cats) == 1 + 13 - 2
     for b in profile.buckets:
-        assert 1 <= b.draft_layers <= 3 and 1 <= b.gamma <= 3 and b.positions > 0
+        assert b.drafter in ("auto", "int4", "lookup", "hybrid") and 1 <= b.gamma <= 3 and b.positions > 0
+        assert 1 <= b.draft_layers <= 3 if b.drafter == "auto" else b.draft_layers is None
         assert all(0.0 <= a <= 1.0 for a in b.alpha.values())
     assert any(v["measured_speedup"] > 0 for v in profile.validation)
     for name in ("acceptance_vs_depth.png", "speedup_vs_gamma.png", "acceptance_heatmap.png"):

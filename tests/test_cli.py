@@ -20,7 +20,7 @@ BAD_ARGS = [
     (["generate", "   "], "empty prompt"),
     (["generate", "x", "--raw", "--system", "s"], "--system needs the chat template"),
     (["frobnicate"], "unknown command 'frobnicate'"),
-    (["generate", "x", "--gamma", "3"], "--gamma needs --draft-layers"),
+    (["generate", "x", "--gamma", "3"], "--gamma/--ngram need --drafter or --draft-layers"),
     (["generate", "x", "--draft-layers", "0"], "--draft-layers"),
     (["generate", "x", "--draft-layers", "2", "--gamma", "40"], "num_speculative_tokens=40"),
     (["check-distribution"], "--draft-layers"),

@@ -1,8 +1,11 @@
+from dataclasses import replace
+
 import pytest
 
 from selfspec.decoding.policy import SpecOverride, SpecPolicy
 from selfspec.decoding.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket
 from selfspec.errors import SelfspecError
+from selfspec.kernels.choice import machine_key
 
 
 def bucket(cat, lb, t, n, g, predicted, measured=None):
@@ -22,7 +25,7 @@ def synthetic_profile(**kw) -> Profile:
         fingerprint="abc",
         num_layers=30,
         dtype="float32",
-        machine={},
+        machine=machine_key(),
         temperatures=[0.0, 0.3],
         draft_layers=[8, 10, 12],
         draft_cost={"8": 0.3, "10": 0.35, "12": 0.4},
@@ -78,9 +81,21 @@ def test_length_buckets():
 def test_policy_switches_on_from_bucket():
     d = decide(SpecPolicy(synthetic_profile()), category="qa")
     assert (d.config.draft_layers, d.config.num_speculative_tokens) == (12, 4)
-    assert d.reason == "on: bucket qa/all/T=0 measured 1.40x with N=12, gamma=4" and d.confidence_threshold == 0.2
+    assert d.reason == "on: bucket qa/all/T=0 measured 1.40x with exit, N=12, gamma=4" and d.confidence_threshold == 0.2
     d = decide(SpecPolicy(synthetic_profile()), category="unknown-category")  # falls back to all/all
     assert d.config.draft_layers == 10 and "all/all/T=0 predicted 1.30x" in d.reason
+
+
+def test_a_profile_from_another_machine_is_not_trusted_silently():
+    profile = synthetic_profile()
+    profile.machine = dict(profile.machine, cpu="Some Other CPU")
+    d = decide(SpecPolicy(profile), category="qa")
+    assert (
+        d.config is None and "measured with cpu 'Some Other CPU'" in d.reason and "run selfspec calibrate" in d.reason
+    )
+    profile.buckets = [replace(b, drafter="lookup", draft_layers=None) for b in profile.buckets]
+    d = decide(SpecPolicy(profile), category="qa")
+    assert d.config.drafter == "lookup" and "lookup runs no model to draft" in d.reason
 
 
 def test_policy_switches_off_and_says_why():
@@ -89,7 +104,9 @@ def test_policy_switches_off_and_says_why():
     assert decide(policy, max_tokens=4).reason == "off: max_tokens 4 < 16, too short to pay"
     assert policy.allows_batch(8) and not policy.allows_batch(9)  # the scheduler turns speculation off above 8
     d = decide(policy, category="translation")
-    assert d.config is None and d.reason == "off: bucket translation/all/T=0 measured 0.90x at best (N=10, gamma=3)"
+    assert (
+        d.config is None and d.reason == "off: bucket translation/all/T=0 measured 0.90x at best (exit, N=10, gamma=3)"
+    )
     d = decide(policy, category="math", prompt_tokens=10)
     assert d.config is None and "predicted 0.80x" in d.reason
     d = decide(SpecPolicy(None))

@@ -268,6 +268,8 @@ def test_metrics_after_traffic(live):
         "speculative": {"enabled": True, "draft_layers": 2},
     }
     assert httpx.post(live.url("/v1/completions"), json=body, timeout=60).status_code == 200
+    body["speculative"] = {"drafter": "lookup", "num_speculative_tokens": 3, "ngram": 2}
+    assert httpx.post(live.url("/v1/completions"), json=body, timeout=60).status_code == 200
     text = httpx.get(live.url("/metrics")).text
     values = {}
     for line in text.splitlines():
@@ -292,3 +294,5 @@ def test_metrics_after_traffic(live):
     ):
         assert gauge in values
     assert "selfspec_spec_decode_num_accepted_tokens_per_pos_total" in text
+    for drafter in ("exit", "lookup"):  # per drafter, beside the totals
+        assert f'selfspec_spec_decode_drafter_draft_tokens_total{{drafter="{drafter}"}}' in values

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.lookup import match
 from ..decoding.profile import BucketChoice, Profile, length_bucket
 from ..decoding.round import SpecConfig
 from ..decoding.sampling import SamplingParams, make_generator
 from ..errors import SelfspecError
+from ..kernels.choice import machine_key
 from ..model.cache import PagedKVCache
 from ..model.decoder import DecoderModel
 from .rollout import generate_batch
@@ -38,9 +40,10 @@ class AcceptanceRecord:
     category: str
     prompt_tokens: int
     temperature: float
-    accept: dict[str, list[float]]  # N -> per position: 1/0 agreement (T = 0) or β = Σ min(p, q) (T > 0)
-    top_prob: dict[str, list[float]] = field(default_factory=dict)  # N -> the draft's top probability
+    accept: dict[str, list[float]]  # source -> per position: 1/0 agreement (T = 0) or β = Σ min(p, q) (T > 0)
+    top_prob: dict[str, list[float]] = field(default_factory=dict)  # source -> the draft's top probability
     plain_exit: dict[str, list[float]] = field(default_factory=dict)  # N with a draft head -> acceptance without it
+    lookup: list[list[float]] = field(default_factory=list)  # per start position: β of each token lookup drafts
 
     @property
     def length_bucket(self) -> str:
@@ -56,9 +59,11 @@ def teacher_forced_acceptance(
     draft_layers: list[int],
     temperature: float,
     heads: dict | None = None,
+    copies: dict[str, DecoderModel] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]]]:
     """-> (acceptance per position, draft top probability per position, acceptance of the plain exit
-    where `heads` has a draft head for N), each keyed by N. With a head, N's acceptance is the head's."""
+    where `heads` has a draft head for N), each keyed by source: N (the exit, or the head where
+    `heads` has one) and the name of each quantized copy in `copies` (its own teacher-forced pass)."""
     heads = heads or {}
     seq = cache.allocate()
     tokens = prompt + continuation
@@ -76,6 +81,9 @@ def teacher_forced_acceptance(
             done = n
         h = model.forward(h, cache, start=done, batch=batch)
         target = model.logits(h[0, first:])  # [n, vocab]
+        for name, copy in (copies or {}).items():  # rewrites the same slots with the copy's own K/V
+            h = copy.forward(torch.tensor([tokens[:-1]]), cache, batch=batch)
+            drafts[name] = copy.logits(h[0, first:])
     finally:
         cache.free(seq)
     accept, top, plain = {}, {}, {}
@@ -87,12 +95,31 @@ def teacher_forced_acceptance(
             a = (draft.argmax(-1) == target.argmax(-1)).float()
         else:
             a = torch.minimum(p, q).sum(-1)
-        if n < 0:
+        if isinstance(n, int) and n < 0:
             plain[str(-n)] = a.tolist()
         else:
             accept[str(n)] = a.tolist()
             top[str(n)] = q.max(-1).values.tolist()
-    return accept, top, plain
+    if temperature == 0:  # lookup's point-mass drafts are kept with probability p(d): 1/0 under argmax
+        p = torch.nn.functional.one_hot(target.argmax(-1), target.shape[-1]).float()
+    return accept, top, plain, p
+
+
+def lookup_acceptance(
+    prompt: list[int], continuation: list[int], p: torch.Tensor, gamma: int, ngram: int
+) -> list[list[float]]:
+    """Per start position s of the continuation: the acceptance probability of each token lookup would
+    draft there (its context: prompt + continuation[:s]). p [len(continuation), vocab] is the target's
+    teacher-forced distribution; a draft past the first one that differs from the continuation has an
+    unmeasured context, so it counts as rejected (conservative)."""
+    out = []
+    for s in range(len(continuation)):
+        run = match(prompt + continuation[:s], ngram, min(gamma, len(continuation) - s))
+        betas = []
+        for i, d in enumerate(run):
+            betas.append(float(p[s + i, d]) if i == 0 or run[i - 1] == continuation[s + i - 1] else 0.0)
+        out.append(betas)
+    return out
 
 
 def tokens_per_round(accept: list[float], gamma: int) -> float:
@@ -112,11 +139,14 @@ def time_costs(
     gammas: list[int],
     repeats: int = 7,
     heads: dict | None = None,
+    copies: dict[str, DecoderModel] | None = None,
 ) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
     + head + argmax; a trained draft head where `heads` has one); a verification per (N, γ) (the last
-    draft's pass through [0, N), then layers [N, L) over γ + 1 tokens, head and argmax).
-    -> (full step seconds, c per N, v per N per γ)."""
+    draft's pass through [0, N), then layers [N, L) over γ + 1 tokens, head and argmax). Sources that
+    verify from layer 0 (each quantized copy in `copies`: a draft step of its own; lookup: the match
+    itself) get v for every γ up to the largest, since lookup drafts fewer tokens where its match ends.
+    -> (full step seconds, c per source, v per source per γ)."""
     seq = cache.allocate()
     try:
         model.forward(torch.tensor([context]), cache, [seq])
@@ -136,9 +166,11 @@ def time_costs(
             # each sample against a full step timed right beside it: this VM's speed drifts by +-15 %
             return statistics.median(once(fn) / once(step) for _ in range(repeats))
 
-        def forward(tokens: int, start: int, end: int, head: bool) -> torch.Tensor:
+        def forward(tokens: int, start: int, end: int, head: bool, net: DecoderModel = model) -> torch.Tensor:
             b = cache.prepare([seq], [tokens])
-            h = model.forward(torch.full((1, tokens), 17), cache, start=start, end=end, batch=b)
+            h = net.forward(torch.full((1, tokens), 17), cache, start=start, end=end, batch=b)
+            if net is not model:
+                return net.logits(h).argmax(-1)
             if head and end in (heads or {}):
                 return heads[end].draft(h, b, cache).argmax(-1)
             return model.logits(h).argmax(-1) if head else h
@@ -153,6 +185,15 @@ def time_costs(
         full = statistics.median(once(step) for _ in range(repeats))
         c = {str(n): ratio(lambda: forward(1, 0, n, head=True)) for n in draft_layers}
         v = {str(n): {str(g): ratio(lambda: verify(n, g)) for g in gammas} for n in draft_layers}
+        if copies:
+            from_zero = {
+                str(g): ratio(lambda: forward(g + 1, 0, model.num_layers, head=True)) for g in range(1, max(gammas) + 1)
+            }
+            for name, copy in copies.items():
+                c[name] = ratio(lambda: forward(1, 0, copy.num_layers, head=True, net=copy))
+                v[name] = from_zero
+            c["lookup"] = ratio(lambda: match(context, 3, max(gammas)))
+            v["lookup"] = from_zero
         return full, c, v
     finally:
         cache.free(seq)
@@ -167,34 +208,46 @@ class BucketEstimate:
     length_bucket: str
     temperature: float
     positions: int
-    alpha: dict[str, float]  # N -> mean acceptance per drafted token
-    tokens_per_round: dict[str, dict[str, float]]  # N -> γ -> expected tokens per round
-    speedup: dict[str, dict[str, float]]  # N -> γ -> predicted speedup
+    alpha: dict[str, float]  # source -> mean acceptance per drafted token
+    tokens_per_round: dict[str, dict[str, float]]  # source -> γ -> expected tokens per round
+    speedup: dict[str, dict[str, float]]  # source -> γ -> predicted speedup
 
-    def best(self) -> tuple[int, int, float]:
+    def best(self) -> tuple[str, int, float]:
+        """(source, γ, predicted speedup): a source is an exit depth N ("12") or a drafter name."""
         n, g = max(((n, g) for n in self.speedup for g in self.speedup[n]), key=lambda k: self.speedup[k[0]][k[1]])
-        return int(n), int(g), self.speedup[n][g]
+        return n, int(g), self.speedup[n][g]
+
+
+def spec_config(source: str, gamma: int) -> SpecConfig:
+    """The configuration a calibrated source names: an exit depth (the head there if one is loaded)
+    or a drafter over the model's full depth."""
+    return SpecConfig(int(source), gamma) if source.isdigit() else SpecConfig(None, gamma, source)
 
 
 def estimate_buckets(
     records: list[AcceptanceRecord], c: dict[str, float], v: dict[str, dict[str, float]]
 ) -> list[BucketEstimate]:
     """Groups records by (category, length bucket, temperature), plus 'all' rows across categories
-    and lengths, and predicts every (N, γ) per group."""
+    and lengths, and predicts every (source, γ) per group: E / (γ·c + v) for drafts that run every
+    round, and for lookup (which drafts only where it matches, as many tokens as its match gives) and
+    the hybrid (lookup, else the first quantized copy) the ratio of mean tokens to mean cost over
+    every start position."""
     groups: dict[tuple, list[AcceptanceRecord]] = {}
     for r in records:
         for cat in (r.category, "all"):
             for lb in (r.length_bucket, "all"):
                 groups.setdefault((cat, lb, r.temperature), []).append(r)
+    gammas = [g for g in next(iter(v.values()))]
+    fallback = next((n for n in c if not n.isdigit() and n != "lookup"), None)
     out = []
     for (cat, lb, t), recs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         weights = [len(next(iter(r.accept.values()))) for r in recs]
         total = sum(weights)
         alpha, tpr, speed = {}, {}, {}
-        for n in c:
+        for n in (n for n in c if n != "lookup"):
             alpha[n] = sum(sum(r.accept[n]) for r in recs) / total if total else 0.0
             tpr[n], speed[n] = {}, {}
-            for g in v[n]:
+            for g in gammas:
                 e = (
                     sum(w * tokens_per_round(r.accept[n], int(g)) for r, w in zip(recs, weights)) / total
                     if total
@@ -202,8 +255,41 @@ def estimate_buckets(
                 )
                 tpr[n][g] = e
                 speed[n][g] = e / (int(g) * c[n] + v[n][g])
+        if "lookup" in c and all(r.lookup for r in recs):
+            for name, other in (("lookup", None), ("hybrid", fallback)):
+                if name == "hybrid" and other is None:
+                    continue
+                tpr[name], speed[name] = {}, {}
+                for g in gammas:
+                    tokens, cost = _mixed_rounds(recs, int(g), c, v, other)
+                    tpr[name][g], speed[name][g] = tokens, tokens / cost
+            drafted = [b for r in recs for run in r.lookup for b in run[:1]]
+            alpha["lookup"] = sum(drafted) / len(drafted) if drafted else 0.0
         out.append(BucketEstimate(cat, lb, t, total, alpha, tpr, speed))
     return out
+
+
+def _mixed_rounds(
+    recs: list[AcceptanceRecord], gamma: int, c: dict, v: dict, fallback: str | None
+) -> tuple[float, float]:
+    """(mean tokens per round, mean cost per round in full steps) over every start position: lookup's
+    run where it matches (up to γ drafts; cost v of that many), else the fallback's γ drafts, or a
+    plain step (cost 1) without a fallback."""
+    tokens = cost = 0.0
+    rounds = 0
+    for r in recs:
+        rounds += len(r.lookup)
+        for s, run in enumerate(r.lookup):
+            run = run[:gamma]
+            if run:
+                tokens += 1 + expected_accepted_from_positions(run)
+                cost += len(run) * c["lookup"] + v["lookup"][str(len(run))]
+            elif fallback is not None:
+                tokens += 1 + expected_accepted_from_positions(r.accept[fallback][s : s + gamma])
+                cost += gamma * c[fallback] + v[fallback][str(gamma)]
+            else:
+                tokens, cost = tokens + 1, cost + 1
+    return (tokens / rounds, cost / rounds) if rounds else (1.0, 1.0)
 
 
 def confidence_threshold(records: list[AcceptanceRecord], n: str, c: float) -> float:
@@ -232,6 +318,9 @@ class CalibrationPlan:
     batch_size: int = 16  # prompts generated together
     validate_prompts: int = 4  # prompts timed end to end per validated configuration (2 let noise flip a verdict)
     seed: int = 0
+    quantized: tuple[str, ...] = ("int4",)  # the model's own weights at these formats draft too
+    lookup: bool = True  # context lookup, and the hybrid of lookup with the first quantized format
+    ngram: int = 3
 
 
 def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path=None, progress=None):
@@ -259,9 +348,12 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
         _append_partial(partial_path, {"__heads__": heads})
     done.pop("__heads__", None)
     costs = done.pop("__costs__", None)
+    copies = {name: engine.draft_model(name) for name in plan.quantized}
     if costs is None:
         context = encoded[str(questions[0]["question_id"])]
-        full, c, v = time_costs(model, cache, context, plan.draft_layers, plan.gammas, heads=engine.heads)
+        full, c, v = time_costs(
+            model, cache, context, plan.draft_layers, plan.gammas, heads=engine.heads, copies=copies
+        )
         costs = {"full_step_seconds": full, "c": c, "v": v}
         _append_partial(partial_path, {"__costs__": costs})
     c, v = costs["c"], costs["v"]
@@ -278,10 +370,11 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
             prompts = [encoded[str(q["question_id"])] for q in chunk]
             conts = _continuations(engine, cache, prompts, t, plan)
             for q, prompt, cont in zip(chunk, prompts, conts):
-                accept, top, plain = teacher_forced_acceptance(
-                    model, cache, prompt, cont, plan.draft_layers, t, engine.heads
+                accept, top, plain, p = teacher_forced_acceptance(
+                    model, cache, prompt, cont, plan.draft_layers, t, engine.heads, copies
                 )
-                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top, plain)
+                runs = lookup_acceptance(prompt, cont, p, max(plan.gammas), plan.ngram) if plan.lookup else []
+                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top, plain, runs)
                 records.append(rec)
                 _append_partial(partial_path, {_key(q, t): rec.__dict__})
                 if bar:
@@ -362,14 +455,15 @@ def _continuations(
 
 
 def _validate(engine, questions, estimates: list[BucketEstimate], plan: CalibrationPlan) -> list[dict]:
-    """End-to-end speculative vs plain runs (interleaved) for every bucket the prediction switches on,
+    """End-to-end speculative vs plain runs (interleaved) for every category the prediction switches on,
     and, at T = 0, for each γ at the best depth (the measured side of the speedup-vs-γ plot)."""
     overall = next(
         e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures))
     )
-    best_n, _, _ = overall.best()
-    jobs = [(overall, best_n, g) for g in plan.gammas]
-    jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0]
+    best, _, _ = overall.best()
+    jobs = [(overall, best, g) for g in plan.gammas if str(g) in overall.speedup[best]]
+    # Per category, not per prompt length: a length bucket holds too few prompts to time on its own.
+    jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0 and e.length_bucket == "all"]
     out = []
     for est, n, g in jobs:
         chosen = [
@@ -384,7 +478,7 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
         ratios = []
         for i, q in enumerate(chosen):
             ids = engine.encode(q["turns"][0])
-            runs = [None, SpecConfig(n, g)]
+            runs = [None, spec_config(n, g)]
             times = {}
             for config in runs if i % 2 == 0 else runs[::-1]:
                 start = time.perf_counter()
@@ -396,7 +490,9 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
                 "category": est.category,
                 "length_bucket": est.length_bucket,
                 "temperature": est.temperature,
-                "draft_layers": n,
+                "source": n,
+                "draft_layers": spec_config(n, g).draft_layers,
+                "drafter": spec_config(n, g).drafter,
                 "gamma": g,
                 "predicted_speedup": est.speedup[str(n)][str(g)],
                 "measured_speedup": statistics.median(ratios),
@@ -408,12 +504,13 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
 
 def _profile(engine, plan, costs, records, estimates, validation):
     measured = {
-        (v["category"], v["length_bucket"], v["temperature"], v["draft_layers"], v["gamma"]): v["measured_speedup"]
+        (v["category"], v["length_bucket"], v["temperature"], v["source"], v["gamma"]): v["measured_speedup"]
         for v in validation
     }
     buckets = []
     for e in estimates:
         n, g, s = e.best()
+        config = spec_config(n, g)
         buckets.append(
             BucketChoice(
                 e.category,
@@ -421,19 +518,27 @@ def _profile(engine, plan, costs, records, estimates, validation):
                 e.temperature,
                 e.positions,
                 e.alpha,
-                n,
+                config.draft_layers,
                 g,
                 s,
                 measured.get((e.category, e.length_bucket, e.temperature, n, g)),
+                config.drafter,
             )
         )
     overall = {b.temperature: b for b in buckets if b.category == "all" and b.length_bucket == "all"}
     t0 = overall[min(plan.temperatures)]
     paying = [t for t, b in sorted(overall.items()) if (b.measured_speedup or b.predicted_speedup) >= 1.0]
-    best = t0.draft_layers
-    tau = confidence_threshold(
-        [r for r in records if r.temperature == min(plan.temperatures)], str(best), costs["c"][str(best)]
+    estimate0 = next(
+        e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", t0.temperature)
     )
+    source = estimate0.best()[0]
+    depths = {n: x for n, x in estimate0.speedup.items() if n.isdigit()}
+    best = int(max(depths, key=lambda n: max(depths[n].values()))) if depths else None
+    # The adaptive stop applies to drafts that run the model every token (not lookup's).
+    tau = 0.0
+    if source in costs["c"] and source != "lookup":
+        first = [r for r in records if r.temperature == min(plan.temperatures)]
+        tau = confidence_threshold(first, source, costs["c"][source])
     return Profile(
         model=engine.name,
         fingerprint=engine.model.fingerprint,
@@ -445,7 +550,7 @@ def _profile(engine, plan, costs, records, estimates, validation):
         draft_cost=costs["c"],
         verify_cost=costs["v"],
         buckets=buckets,
-        knee=knee(t0.alpha),
+        knee=knee({n: a for n, a in t0.alpha.items() if n.isdigit()}),
         best_draft_layers=best,
         temperature_threshold=max(paying) if paying else 0.0,
         confidence_threshold=tau if paying else 0.0,
@@ -465,7 +570,9 @@ def knee(alpha: dict[str, float]) -> int:
 
 
 def machine_info() -> dict:
+    """The machine a profile was measured on: CPU model, ISA flags (hashed), threads, torch."""
     return {
+        **machine_key(),
         "platform": platform.platform(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

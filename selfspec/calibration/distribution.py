@@ -45,7 +45,7 @@ def sample_continuations(
             gens = [make_generator(seed + first + i) for i in range(rows)]
             try:
                 out += generate_batch(
-                    model, cache, seqs, [prompt[-1]] * rows, params, config, gens, new_tokens, drafter
+                    model, cache, seqs, [prompt[-1]] * rows, params, config, gens, new_tokens, drafter, [prompt] * rows
                 )
             finally:
                 for s in seqs:

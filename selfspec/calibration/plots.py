@@ -20,7 +20,7 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     overall = {e.temperature: e for e in estimates if e.category == "all" and e.length_bucket == "all"}
-    depths = sorted(int(n) for n in profile.draft_cost)
+    depths = sorted(int(n) for n in profile.draft_cost if n.isdigit())
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -55,14 +55,15 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
 
     t0 = min(overall)
     e = overall[t0]
-    n = str(profile.best_draft_layers)
-    gammas = sorted(int(g) for g in e.speedup[n])
+    sources = [str(profile.best_draft_layers)] + [n for n in e.speedup if not n.isdigit()]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(gammas, [e.speedup[n][str(g)] for g in gammas], marker="o", label="predicted E/(γc+v)")
+    for n in sources:
+        gammas = sorted(int(g) for g in e.speedup[n])
+        label = f"exit N={n}" if n.isdigit() else n
+        ax.plot(gammas, [e.speedup[n][str(g)] for g in gammas], marker="o", label=f"{label}: predicted")
+    best = e.best()[0]
     measured = [
-        v
-        for v in profile.validation
-        if v["draft_layers"] == profile.best_draft_layers and v["category"] == "all" and v["temperature"] == t0
+        v for v in profile.validation if v.get("source") == best and v["category"] == "all" and v["temperature"] == t0
     ]
     if measured:
         ax.plot(
@@ -70,12 +71,14 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
             [v["measured_speedup"] for v in measured],
             marker="s",
             linestyle="none",
-            label="measured end to end",
+            label=f"{best}: measured end to end",
         )
     ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
-    ax.set(xlabel="γ (draft tokens per round)", ylabel="speedup over plain", title=f"speedup vs γ at N={n}, T={t0:g}")
+    ax.set(
+        xlabel="γ (draft tokens per round)", ylabel="speedup over plain", title=f"speedup vs γ per drafter, T={t0:g}"
+    )
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     paths.append(_save(fig, out / "speedup_vs_gamma.png"))
 
     cats = sorted({x.category for x in estimates if x.category != "all"}) + ["all"]

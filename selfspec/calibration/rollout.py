@@ -23,10 +23,12 @@ def generate_batch(
     generators: list[torch.Generator | None],
     new_tokens: int,
     drafter: Drafter | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """Advances every sequence (its cache holding all but `last[b]`) until each has new_tokens more
     tokens; EOS is not special. Rows that finish early keep running with the rest. With a `config`,
-    rounds draft with `drafter` (default: the plain exit at the config's depth)."""
+    rounds draft with `drafter` (default: the plain exit at the config's depth). `prompts`: each row's
+    tokens up to and including last[b], the context a lookup drafter searches (default: last[b])."""
     rows = len(seqs)
     if config is not None and drafter is None:
         drafter = ExitDrafter(config.draft_layers)
@@ -34,7 +36,10 @@ def generate_batch(
     tokens: list[list[int]] = [[] for _ in range(rows)]
     while min(len(t) for t in tokens) < new_tokens:
         inputs = [t[-1] if t else last[b] for b, t in enumerate(tokens)]
-        step = RoundInput(seqs, inputs, [params] * rows, generators, gammas, drafter if config else None)
+        history = [(prompts[b] if prompts else [last[b]]) + t for b, t in enumerate(tokens)]
+        step = RoundInput(
+            seqs, inputs, [params] * rows, generators, gammas, drafter if config else None, history=history
+        )
         for t, new in zip(tokens, run_round(model, cache, step).tokens):
             t += new
     return [t[:new_tokens] for t in tokens]

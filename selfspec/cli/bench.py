@@ -1,11 +1,13 @@
 """`selfspec bench`: a Spec-Bench-style table against peers, per category, measured in one run.
 
 Methods: `plain` (selfspec, no speculation: the baseline), `selfspec` (the default configuration: the
-profile's policy decides), `selfspec:N:G` (speculation forced at depth N, γ = G), `hf` (transformers
-generate), `hf-early-exit` (transformers `assistant_early_exit`, drafting with the same model's first
-layers), `hf-prompt-lookup` (transformers `prompt_lookup_num_tokens`). All greedy; every method runs on
-each prompt before the next prompt, in an order that rotates. Speedup = plain time / method time.
-Mean accepted tokens = tokens per full-model forward (1 for plain decoding)."""
+profile's policy decides), `selfspec:N:G` (speculation forced at depth N, γ = G), `selfspec:D:G` (drafter
+D = int4, int8, lookup or hybrid, γ = G), `hf` (transformers generate), `hf-early-exit` (transformers
+`assistant_early_exit`, drafting with the same model's first layers), `hf-prompt-lookup` (transformers
+`prompt_lookup_num_tokens`), `llama.cpp` (llama-cpp-python's plain decode of the default model's GGUF,
+when installed). Greedy by default (`--temperature` samples; peers then sample with their own RNG);
+every method runs on each prompt before the next prompt, in an order that rotates. Speedup = plain
+time / method time. Mean accepted tokens = tokens per full-model forward (1 for plain decoding)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from .common import (
 
 PROG = "selfspec bench"
 HF_METHODS = ("hf", "hf-early-exit", "hf-prompt-lookup")
+PEERS = (*HF_METHODS, "llama.cpp")
+MODEL_DRAFTERS = ("int4", "int8", "lookup", "hybrid")
 
 
 def build_parser() -> ArgumentParser:
@@ -42,6 +46,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--compare", default="plain,selfspec,hf,hf-early-exit,hf-prompt-lookup")
     p.add_argument("--per-category", type=positive_int, default=1)
     p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every method (default 0)")
     p.add_argument("--repeats", type=positive_int, default=1, help="timings per method and prompt; the median is kept")
     p.add_argument("--early-exit-layers", type=positive_int, default=None, help="hf-early-exit depth (default: L/2)")
     p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10)
@@ -60,14 +65,15 @@ def build_parser() -> ArgumentParser:
 def parse_methods(text: str, num_layers: int | None = None) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:
-        if m in ("plain", "selfspec") or m in HF_METHODS:
+        if m in ("plain", "selfspec") or m in PEERS:
             continue
         parts = m.split(":")
         plain_exit = len(parts) == 4 and parts[3] == "exit"
-        if parts[0] != "selfspec" or len(parts) != 3 + plain_exit or not all(x.isdigit() for x in parts[1:3]):
+        source = len(parts) > 1 and (parts[1].isdigit() or (parts[1] in MODEL_DRAFTERS and not plain_exit))
+        if parts[0] != "selfspec" or len(parts) != 3 + plain_exit or not source or not parts[2].isdigit():
             raise ValueError(
                 f"--compare: unknown method {m!r}; use plain, selfspec, selfspec:N:G, "
-                "selfspec:N:G:exit (no draft head), " + ", ".join(HF_METHODS)
+                f"selfspec:N:G:exit (no draft head), selfspec:D:G (D: {', '.join(MODEL_DRAFTERS)}), " + ", ".join(PEERS)
             )
     if "plain" not in methods:
         methods.insert(0, "plain")  # the baseline every speedup is taken against
@@ -81,6 +87,7 @@ class Runner:
         self.engine = engine
         self.args = args
         self._hf = None
+        self._llama = None
         self._forwards = 0
 
     def hf_model(self):
@@ -99,12 +106,17 @@ class Runner:
     def __call__(self, method: str, ids: list[int], category: str | None = None):
         from selfspec import SamplingParams, SpecConfig
 
-        params = SamplingParams(temperature=0, max_tokens=self.args.max_tokens, ignore_eos=True)
+        t = self.args.temperature
+        params = SamplingParams(temperature=t, max_tokens=self.args.max_tokens, ignore_eos=True, seed=0)
         if method in HF_METHODS:
             return self._hf_run(method, ids)
+        if method == "llama.cpp":
+            return self._llama_run(ids)
         parts = method.split(":")
         if method in ("plain", "selfspec"):
             speculation = None if method == "plain" else "auto"
+        elif not parts[1].isdigit():  # selfspec:D:G, a drafter over the full depth
+            speculation = SpecConfig(None, int(parts[2]), parts[1])
         else:  # selfspec:N:G, or selfspec:N:G:exit for the plain early exit at a depth that has a draft head
             speculation = SpecConfig(int(parts[1]), int(parts[2]), "exit" if parts[-1] == "exit" else "auto")
         start = time.perf_counter()
@@ -122,12 +134,47 @@ class Runner:
             kwargs["assistant_early_exit"] = self.args.early_exit_layers or self.engine.model.num_layers // 2
         elif method == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = self.args.prompt_lookup_tokens
+        if self.args.temperature > 0:
+            kwargs.update(do_sample=True, temperature=self.args.temperature, top_k=0)
+            torch.manual_seed(0)
+        else:
+            kwargs.update(do_sample=False)
         self._forwards = 0
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=self.args.max_tokens, do_sample=False, **kwargs)
+            out = model.generate(torch.tensor([ids]), max_new_tokens=self.args.max_tokens, **kwargs)
         seconds = time.perf_counter() - start
         return out[0, len(ids) :].tolist(), seconds, max(self._forwards, 1), ""
+
+    def _llama_run(self, ids: list[int]):
+        """llama.cpp's plain decode of the default model's GGUF (its own 4-bit kernels, flash attention)."""
+        import torch
+
+        if self._llama is None:
+            try:
+                from llama_cpp import Llama
+            except ImportError:
+                raise ValueError("--compare llama.cpp: llama-cpp-python is not installed (pip install '.[bench]')")
+            from selfspec.model.loader import default_gguf_path
+
+            if self.args.model != "default":
+                raise ValueError("--compare llama.cpp runs the default model's GGUF: use --model default")
+            self._llama = Llama(
+                model_path=str(default_gguf_path()),
+                n_threads=torch.get_num_threads(),
+                n_ctx=self.engine.max_model_len,
+                flash_attn=True,
+                verbose=False,
+                seed=0,
+            )
+        t = self.args.temperature
+        out = []
+        start = time.perf_counter()
+        for token in self._llama.generate(ids, top_k=1 if t == 0 else 0, top_p=1.0, temp=t, reset=True):
+            out.append(token)
+            if len(out) == self.args.max_tokens:
+                break
+        return out, time.perf_counter() - start, len(out), ""
 
 
 def _body(args) -> int:
@@ -213,6 +260,7 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
         "heldout_only": args.heldout_only,
         "questions": args.questions,
         "repeats": args.repeats,
@@ -225,13 +273,15 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
     cats = sorted({s["category"] for s in summary if s["category"] != "all"}) + ["all"]
     get = {(s["category"], s["method"]): s for s in summary}
     lines = [
-        f"# selfspec bench: speedup over plain decoding ({args.model}, {args.dtype}, greedy, {args.max_tokens} tokens)",
+        f"# selfspec bench: speedup over plain decoding ({args.model}, {args.dtype}, "
+        f"{'greedy' if args.temperature == 0 else f'T={args.temperature:g}'}, {args.max_tokens} tokens)",
         "",
         f"Cells: median speedup over selfspec plain decoding (measured interleaved in one run, median of "
         f"{args.repeats} timing(s) per method and prompt) / mean tokens per full-model forward / prompts whose "
         "output is identical to plain decoding.",
         "",
-        f"Machine: {meta['machine']['platform']}, {meta['machine']['cores']} cores, "
+        f"Machine: {meta['machine']['cpu']} ({meta['machine']['capability']}), {meta['machine']['platform']}, "
+        f"{meta['machine']['cores']} cores, "
         f"{meta['threads']} torch threads, torch {meta['machine']['torch']}.",
         "",
         "| category | " + " | ".join(methods) + " |",

@@ -53,9 +53,21 @@ def build_parser() -> ArgumentParser:
     )
     p.add_argument("--draft-layers", default="4:28:2", help="depths N to try (default 4:28:2)")
     p.add_argument("--gammas", default="1-8", help="draft lengths to try (default 1-8)")
+    p.add_argument(
+        "--drafters",
+        default="int4,lookup,hybrid",
+        help="drafters calibrated beside the exits at --draft-layers: int4, int8, lookup, hybrid (default: "
+        "int4,lookup,hybrid; 'none' for exits only)",
+    )
     p.add_argument("--temperatures", default="0,0.3,0.6,0.9")
     p.add_argument("--per-category", type=positive_int, default=3, help="prompts per category (default 3)")
     p.add_argument("--new-tokens", type=positive_int, default=64, help="continuation length per prompt (default 64)")
+    p.add_argument(
+        "--validate-prompts",
+        type=positive_int,
+        default=4,
+        help="prompts timed end to end per configuration the prediction switches on (default 4)",
+    )
     p.add_argument("--out", required=True, help="profile JSON to write; <out>.partial.jsonl keeps progress")
     p.add_argument("--plot", help="directory for PNG plots")
     p.add_argument("--seed", type=int, default=0)
@@ -127,7 +139,21 @@ def _body(args) -> int:
         raise ValueError(
             f"--draft-layers {args.draft_layers}: this model has {layers} layers, use depths in 1..{layers - 1}"
         )
-    plan = CalibrationPlan(depths, gammas, temps, new_tokens=args.new_tokens, seed=args.seed)
+    drafters = [] if args.drafters == "none" else args.drafters.split(",")
+    unknown = [d for d in drafters if d not in ("int4", "int8", "lookup", "hybrid")]
+    if unknown:
+        raise ValueError(f"--drafters {args.drafters}: {unknown[0]!r} is not one of int4, int8, lookup, hybrid, none")
+    quantized = tuple(d for d in ("int4", "int8") if d in drafters or ("hybrid" in drafters and d == "int4"))
+    plan = CalibrationPlan(
+        depths,
+        gammas,
+        temps,
+        new_tokens=args.new_tokens,
+        seed=args.seed,
+        validate_prompts=args.validate_prompts,
+        quantized=quantized,
+        lookup="lookup" in drafters or "hybrid" in drafters,
+    )
     profile, _, estimates = calibrate(engine, questions, plan, partial_path=f"{args.out}.partial.jsonl", progress=tqdm)
     profile.prompts = [str(q["question_id"]) for q in questions]
     profile.save(args.out)
@@ -153,12 +179,12 @@ def _body(args) -> int:
         f"profile written to {args.out} ({len(profile.buckets)} buckets, {summary['buckets_on']} with speculation on)"
     )
     print(
-        f"acceptance knee at N={profile.knee}; best predicted speedup at N={profile.best_draft_layers}; "
+        f"acceptance knee at N={profile.knee}; best exit depth N={profile.best_draft_layers}; "
         f"speculation off above T={profile.temperature_threshold:g}"
     )
     for v in profile.validation:
         print(
-            f"  {v['category']}/T={v['temperature']:g} N={v['draft_layers']} gamma={v['gamma']}: "
+            f"  {v['category']}/T={v['temperature']:g} {v['source']} gamma={v['gamma']}: "
             f"predicted {v['predicted_speedup']:.2f}x, measured {v['measured_speedup']:.2f}x"
         )
     for p in plots:

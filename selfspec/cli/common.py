@@ -84,8 +84,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         choices=DRAFTERS,
         default="auto",
         help="what drafts: 'exit' (the first N layers), 'head' (the trained draft head at N), "
-        "'auto' (the head where one exists at N, else the exit)",
+        "'auto' (the profile's choice; with --draft-layers the head where one exists at N, else the exit), "
+        "'int4'/'int8' (the model's own weights at 4/8 bits: all layers, or the first N), "
+        "'lookup' (n-gram match over the prompt and output), 'hybrid' (lookup where it matches, else int4)",
     )
+    g.add_argument("--ngram", type=positive_int, metavar="N", help="lookup/hybrid: longest suffix matched (default 3)")
     g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
     g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
     g.add_argument("--category", help="request category for the profile's buckets (e.g. qa, translation)")
@@ -102,11 +105,13 @@ def spec_from_args(args: argparse.Namespace):
 
     if args.no_speculate:
         return None
-    if args.draft_layers is None:
-        if args.gamma is not None:
-            raise ValueError("--gamma needs --draft-layers N (the draft depth)")
+    if args.drafter == "auto" and args.draft_layers is None:
+        if args.gamma is not None or args.ngram is not None:
+            raise ValueError("--gamma/--ngram need --drafter or --draft-layers N (what drafts)")
         return "auto"
-    return SpecConfig(args.draft_layers, args.gamma or 4, args.drafter)
+    if args.draft_layers is None and args.drafter in ("exit", "head"):
+        raise ValueError(f"--drafter {args.drafter} needs --draft-layers N (the exit depth)")
+    return SpecConfig(args.draft_layers, args.gamma or 4, args.drafter, args.ngram or 3)
 
 
 def draft_head_arg(args: argparse.Namespace):

@@ -89,10 +89,14 @@ def _body(args) -> int:
     print(f"--- speculation: {stats.spec_policy}", file=sys.stderr)
     if stats.spec:
         s = stats.spec
+        depth = "" if s.draft_layers is None else f", N={s.draft_layers}"
+        # Against this request's own plain step (its first token), timed in the same run: a rough figure.
+        plain = s.full_steps / s.full_step_seconds if s.full_step_seconds else 0.0
+        speedup = f", ~{stats.tokens_per_second / plain:.2f}x its plain step" if plain else ""
         print(
-            f"--- speculative (N={s.draft_layers}, gamma={s.num_speculative_tokens}): {s.rounds} rounds, "
+            f"--- speculative ({s.drafter}{depth}, gamma={s.num_speculative_tokens}): {s.rounds} rounds, "
             f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted}), "
-            f"{s.mean_tokens_per_round:.2f} tokens/round, draft cost ratio c={s.draft_cost_ratio:.2f}",
+            f"{s.mean_tokens_per_round:.2f} tokens/round, draft cost ratio c={s.draft_cost_ratio:.2f}{speedup}",
             file=sys.stderr,
         )
     return 0

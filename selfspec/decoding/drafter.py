@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -65,36 +65,61 @@ class ExitDrafter(Drafter):
 
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
         n, rows = self.draft_layers, len(step.seqs)
-        inputs = [[t] for t in step.last]  # per row: tokens fed through layers [0, N): last, d_1, d_2, ...
-        hidden: list[list[torch.Tensor]] = [[] for _ in range(rows)]  # per row: layer-N states, each [1, hidden]
-        drafts: list[list[int]] = [[] for _ in range(rows)]
-        probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
-        active = [b for b in range(rows) if step.gammas[b] > 0]
-        while active:
-            x = torch.tensor([[inputs[b][-1]] for b in active])  # [A, 1]
-            batch = cache.prepare([step.seqs[b] for b in active], [1] * len(active))
-            h = model.forward(x, cache, batch=batch, end=n)  # [A, 1, hidden] at layer N
-            logits = self.logits(model, h, batch, cache)  # [A, vocab]
-            ids, q = sample_rows(logits, [step.params[b] for b in active], [step.generators[b] for b in active])
-            top = _top_prob(logits, q) if step.confidence_threshold > 0 else None
-            still = []
-            for i, b in enumerate(active):
-                hidden[b].append(h[i])
-                drafts[b].append(int(ids[i]))
-                inputs[b].append(int(ids[i]))
-                if q is not None:
-                    probs[b].append(q[i])
-                if len(drafts[b]) < step.gammas[b] and (top is None or top[i] >= step.confidence_threshold):
-                    still.append(b)
-            active = still
+        run = autoregress(model, cache, step, n, lambda h, batch: self.logits(model, h, batch, cache))
         # Every row's last input (its last draft, or `last` without drafts) through layers [0, N) as well,
         # so that verification starts at layer N everywhere.
-        h = model.forward(torch.tensor([[inp[-1]] for inp in inputs]), cache, step.seqs, end=n)  # [B, 1, hidden]
-        width = max(len(d) for d in drafts) + 1
+        last = [d[-1] if d else t for d, t in zip(run.tokens, step.last)]
+        h = model.forward(torch.tensor(last)[:, None], cache, step.seqs, end=n)  # [B, 1, hidden]
+        width = max(len(d) for d in run.tokens) + 1
         verify_in = torch.zeros(rows, width, h.shape[-1], dtype=h.dtype)  # [B, γ_max + 1, hidden], padded
         for b in range(rows):
-            verify_in[b, : len(drafts[b]) + 1] = torch.cat(hidden[b] + [h[b]])
-        return Draft(drafts, probs, verify_in, resume=n)
+            verify_in[b, : len(run.tokens[b]) + 1] = torch.cat(run.hidden[b] + [h[b]])
+        return Draft(run.tokens, run.probs, verify_in, resume=n)
+
+
+@dataclass
+class Run:
+    """What an autoregressive draft produced per row."""
+
+    tokens: list[list[int]]  # d_1 .. d_γb
+    probs: list[list[torch.Tensor]]  # q_i [vocab] per draft (sampled rows only)
+    hidden: list[list[torch.Tensor]]  # [1, hidden] at the draft's last layer for inputs last, d_1 .. d_γb-1
+
+
+def autoregress(
+    model: DecoderModel,
+    cache: PagedKVCache,
+    step: RoundInput,
+    end: int,
+    logits: Callable[[torch.Tensor, AttentionBatch], torch.Tensor],
+    gammas: list[int] | None = None,
+) -> Run:
+    """Drafts token by token with layers [0, end) of `model` on the shared cache (writing the K/V of
+    the draft positions there): each pass feeds every active row its newest token, `logits(h, batch)`
+    maps the layer-`end` states [A, 1, hidden] to draft logits [A, vocab]. A row stops at its γ_b
+    (`gammas`, default the step's) or, with a confidence threshold, once its top draft probability
+    falls below it."""
+    gammas = step.gammas if gammas is None else gammas
+    rows = len(step.seqs)
+    run = Run([[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)])
+    active = [b for b in range(rows) if gammas[b] > 0]
+    while active:
+        x = torch.tensor([[run.tokens[b][-1] if run.tokens[b] else step.last[b]] for b in active])  # [A, 1]
+        batch = cache.prepare([step.seqs[b] for b in active], [1] * len(active))
+        h = model.forward(x, cache, batch=batch, end=end)  # [A, 1, hidden] at layer `end`
+        lg = logits(h, batch)  # [A, vocab]
+        ids, q = sample_rows(lg, [step.params[b] for b in active], [step.generators[b] for b in active])
+        top = _top_prob(lg, q) if step.confidence_threshold > 0 else None
+        still = []
+        for i, b in enumerate(active):
+            run.hidden[b].append(h[i])
+            run.tokens[b].append(int(ids[i]))
+            if q is not None:
+                run.probs[b].append(q[i])
+            if len(run.tokens[b]) < gammas[b] and (top is None or top[i] >= step.confidence_threshold):
+                still.append(b)
+        active = still
+    return run
 
 
 def _top_prob(logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:

@@ -13,13 +13,17 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import SelfspecError
-from ..model.loader import DEFAULT_MODEL, LoadedModel, load
+from ..model.decoder import DecoderModel
+from ..model.loader import DEFAULT_MODEL, LoadedModel, load, load_weights
 from . import head as heads
 from .detokenizer import TextStream
 from .drafter import Drafter, ExitDrafter
 from .head import DraftHead, HeadDrafter
+from .hybrid import HybridDrafter
+from .lookup import LookupDrafter
 from .policy import SpecPolicy, Speculation
 from .profile import Profile, find_profile
+from .quantized import QuantizedDrafter, share_embeddings
 from .request import GenerationChunk, GenerationResult, Request, StepOutput
 from .round import RoundInput, SpecConfig, run_round
 from .sampling import SamplingParams, make_generator
@@ -58,7 +62,8 @@ class Engine:
         self.policy = SpecPolicy(find_profile(self.model, profile))
         head = heads.find(self.model, draft_head)
         self.heads: dict[int, DraftHead] = {head.draft_layers: head} if head else {}
-        self._drafters: dict[tuple[str, int], Drafter] = {}
+        self._drafters: dict[tuple, Drafter] = {}
+        self._draft_models: dict[str, DecoderModel] = {}  # quantized copies for self-drafting, by format
 
     @classmethod
     def from_pretrained(
@@ -100,24 +105,44 @@ class Engine:
 
     # ---- drafters ---------------------------------------------------------------------------------
     def drafter(self, config: SpecConfig) -> Drafter:
-        """The drafter a configuration names: `head` (the trained head at its depth), `exit` (the plain
-        early exit) or `auto` (the head where one exists at that depth, else the exit). One instance
-        per (kind, depth): requests drafting with the same one share every pass of a round."""
+        """The drafter a configuration names (round.DRAFTERS): `head` (the trained head at its depth),
+        `exit` (the plain early exit), `auto` (the head where one exists at that depth, else the exit),
+        `int4`/`int8` (the model's own weights quantized), `lookup`, `hybrid` (lookup, else int4). One
+        instance per configuration: requests drafting with the same one share every pass of a round."""
         config.check(self.model.num_layers)
-        kind = config.drafter
+        kind, n = config.drafter, config.draft_layers
         if kind == "auto":
-            kind = "head" if config.draft_layers in self.heads else "exit"
-        if kind == "head" and config.draft_layers not in self.heads:
+            kind = "head" if n in self.heads else "exit"
+        if kind == "head" and n not in self.heads:
             have = ", ".join(f"N={n}" for n in self.heads) or "none loaded"
             raise SelfspecError(
-                f"drafter 'head' at draft_layers={config.draft_layers}: no draft head at that depth ({have}); "
+                f"drafter 'head' at draft_layers={n}: no draft head at that depth ({have}); "
                 "pass --draft-head PATH or use drafter 'exit'"
             )
-        key = (kind, config.draft_layers)
+        key = (kind, n, config.ngram if kind in ("lookup", "hybrid") else 0)
         if key not in self._drafters:
-            n = config.draft_layers
-            self._drafters[key] = HeadDrafter(self.heads[n]) if kind == "head" else ExitDrafter(n)
+            self._drafters[key] = self._make_drafter(kind, n, config.ngram)
         return self._drafters[key]
+
+    def _make_drafter(self, kind: str, n: int | None, ngram: int) -> Drafter:
+        if kind == "head":
+            return HeadDrafter(self.heads[n])
+        if kind == "exit":
+            return ExitDrafter(n)
+        if kind == "lookup":
+            return LookupDrafter(ngram)
+        if kind == "hybrid":
+            return HybridDrafter(LookupDrafter(ngram), self._make_drafter("int4", n, ngram))
+        return QuantizedDrafter(self.draft_model(kind), n)
+
+    def draft_model(self, weights: str) -> DecoderModel:
+        """The model's own weights in format `weights` (int4: a 4-bit GGUF's own codes), loaded once."""
+        if weights not in self._draft_models:
+            draft = load_weights(self.checkpoint_dir, self.model.dtype, weights)
+            if draft.kernels.weights != weights:
+                raise SelfspecError(f"drafter {weights!r} is unavailable here: {'; '.join(draft.kernels.reasons)}")
+            self._draft_models[weights] = share_embeddings(draft, self.model)
+        return self._draft_models[weights]
 
     # ---- the step API -----------------------------------------------------------------------------
     def add_request(
@@ -148,7 +173,9 @@ class Engine:
             )
         spec_stats = None
         if config is not None:
-            spec_stats = SpecStats(config.draft_layers, config.num_speculative_tokens, drafter=drafter.name)
+            spec_stats = SpecStats(
+                drafter.describe().get("draft_layers"), config.num_speculative_tokens, drafter=drafter.name
+            )
         return Request(
             prompt_ids=list(prompt_ids),
             params=params,
@@ -211,6 +238,7 @@ class Engine:
             gammas=gammas,
             drafter=drafter,
             confidence_threshold=max(r.confidence_threshold for r in reqs),
+            history=[r.prompt_ids + r.output_ids for r in reqs],
         )
         start = time.perf_counter()
         result = run_round(self.model, self.cache, step)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..kernels.choice import machine_key
 from .profile import Profile
-from .round import SpecConfig
+from .round import EXIT_DRAFTERS, SpecConfig
 from .sampling import SamplingParams
 
 DEFAULT_TEMPERATURE_THRESHOLD = 0.7  # brief §5: above ~0.7 acceptance usually falls below break-even
@@ -20,7 +21,8 @@ class SpecOverride:
     enabled: bool | None = None
     draft_layers: int | None = None
     num_speculative_tokens: int | None = None
-    drafter: str | None = None  # "exit", "head" or "auto" (default)
+    drafter: str | None = None  # one of round.DRAFTERS; None: the profile's (or, forced without one, hybrid)
+    ngram: int | None = None  # lookup/hybrid suffix length
 
     def __post_init__(self) -> None:
         if self.enabled is not None and not isinstance(self.enabled, bool):
@@ -29,6 +31,7 @@ class SpecOverride:
             1 if self.draft_layers is None else self.draft_layers,
             1 if self.num_speculative_tokens is None else self.num_speculative_tokens,
             self.drafter or "auto",
+            3 if self.ngram is None else self.ngram,
         )
 
 
@@ -60,6 +63,7 @@ class SpecPolicy:
         )
         self.min_max_tokens = min_max_tokens if min_max_tokens is not None else (p.min_max_tokens if p else 16)
         self.max_batch_size = max_batch_size if max_batch_size is not None else (p.max_batch_size if p else 8)
+        self.foreign = foreign(p) if p else None  # why the profile's costs may not hold here (None: they do)
 
     def allows_batch(self, batch_size: int) -> bool:
         """Speculation pays only while compute sits idle: off above max_batch_size requests."""
@@ -80,8 +84,7 @@ class SpecPolicy:
             return PolicyDecision(None, "off: disabled by the request")
         if isinstance(speculation, SpecConfig):
             speculation.check(num_layers)
-            n, g = speculation.draft_layers, speculation.num_speculative_tokens
-            return PolicyDecision(speculation, f"on: requested (N={n}, gamma={g})")
+            return PolicyDecision(speculation, f"on: requested ({describe(speculation)})")
         if speculation is True:
             speculation = SpecOverride(enabled=True)
         elif speculation == "auto":
@@ -130,21 +133,42 @@ class SpecPolicy:
         name = f"{b.category}/{b.length_bucket}/T={b.temperature:g}"
         speedup = b.measured_speedup if b.measured_speedup is not None else b.predicted_speedup
         kind = "measured" if b.measured_speedup is not None else "predicted"
+        config = SpecConfig(b.draft_layers, b.gamma, b.drafter)
         if speedup < 1.0:
-            return PolicyDecision(
-                None, f"off: bucket {name} {kind} {speedup:.2f}x at best (N={b.draft_layers}, gamma={b.gamma})"
-            )
-        return PolicyDecision(
-            SpecConfig(b.draft_layers, b.gamma),
-            f"on: bucket {name} {kind} {speedup:.2f}x with N={b.draft_layers}, gamma={b.gamma}",
-            self.profile.confidence_threshold,
-        )
+            return PolicyDecision(None, f"off: bucket {name} {kind} {speedup:.2f}x at best ({describe(config)})")
+        reason = f"on: bucket {name} {kind} {speedup:.2f}x with {describe(config)}"
+        if self.foreign:
+            if b.drafter != "lookup":  # a draft that runs the model costs what this machine makes it cost
+                return PolicyDecision(None, f"off: {self.foreign}; run selfspec calibrate here ({reason[4:]} there)")
+            reason += f" ({self.foreign}; lookup runs no model to draft)"
+        return PolicyDecision(config, reason, self.profile.confidence_threshold)
 
     def _forced(
         self, o: SpecOverride, num_layers: int, prompt_tokens: int, temperature: float, category
     ) -> PolicyDecision:
         b = self.profile.bucket(category, prompt_tokens, temperature) if self.profile else None
-        n = o.draft_layers or (b.draft_layers if b else num_layers // 2)
-        gamma = o.num_speculative_tokens or (b.gamma if b and n == b.draft_layers else 4)
-        config = SpecConfig(n, gamma, o.drafter or "auto")
-        return PolicyDecision(config, f"on: requested (N={n}, gamma={gamma})")
+        drafter = o.drafter or (b.drafter if b else "hybrid" if o.draft_layers is None else "auto")
+        n = o.draft_layers
+        if n is None and drafter in EXIT_DRAFTERS:
+            n = b.draft_layers if b and b.draft_layers else num_layers // 2
+        same = b is not None and b.drafter == drafter and n == b.draft_layers
+        gamma = o.num_speculative_tokens or (b.gamma if same else 4)
+        config = SpecConfig(n, gamma, drafter, o.ngram or 3)
+        return PolicyDecision(config, f"on: requested ({describe(config)})")
+
+
+def describe(config: SpecConfig) -> str:
+    """'drafter, N=.., gamma=..' as decisions and reports name a configuration."""
+    n = "" if config.draft_layers is None else f" N={config.draft_layers},"
+    return f"{config.drafter},{n} gamma={config.num_speculative_tokens}"
+
+
+def foreign(profile: Profile) -> str | None:
+    """How the profile's machine differs from this one in what sets its costs (None: it does not)."""
+    here, there = machine_key(), profile.machine
+    diffs = [
+        f"{k} {there.get(k)!r} here {here[k]!r}"
+        for k in ("cpu", "flags", "threads", "torch")
+        if there.get(k) != here[k]
+    ]
+    return "the profile was measured with " + ", ".join(diffs) if diffs else None

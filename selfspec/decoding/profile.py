@@ -36,11 +36,12 @@ class BucketChoice:
     length_bucket: str
     temperature: float
     positions: int  # teacher-forced positions behind the estimate
-    alpha: dict[str, float]  # per draft depth N (as a string key): acceptance per drafted token
-    draft_layers: int
+    alpha: dict[str, float]  # per draft source (N as a string for exits, else the drafter): acceptance per draft
+    draft_layers: int | None  # None: a drafter that runs no layers, or all of them
     gamma: int
     predicted_speedup: float
     measured_speedup: float | None = None  # end to end, when validated
+    drafter: str = "exit"  # round.DRAFTERS
 
 
 @dataclass

@@ -22,34 +22,53 @@ from .sampling import SamplingParams, process_rows, sample_rows
 MAX_SPECULATIVE_TOKENS = 32
 
 
-DRAFTERS = ("auto", "exit", "head")  # auto: the trained head where one exists at the depth, else the exit
+# What drafts (decoding/drafter.py and one file per source):
+# exit: the first N layers; head: the trained head at N; auto: the head where one exists at N, else the exit;
+# int4 / int8: the model's own weights at 4 / 8 bits (all layers, or the first N); lookup: n-gram match
+# over the prompt and output so far; hybrid: lookup where it matches, the int4 self-draft elsewhere.
+DRAFTERS = ("auto", "exit", "head", "int4", "int8", "lookup", "hybrid")
+EXIT_DRAFTERS = ("auto", "exit", "head")  # need N below the layer count; they resume verification at N
+MAX_NGRAM = 8
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Draft with the first `draft_layers` layers through `drafter`; propose `num_speculative_tokens`
-    (γ) per round."""
+    """Draft through `drafter` (with its first `draft_layers` layers where it runs layers; None: all of
+    them for int4/int8, unused by lookup); propose up to `num_speculative_tokens` (γ) per round; lookup
+    matches the last `ngram` .. 1 tokens."""
 
-    draft_layers: int
+    draft_layers: int | None = None
     num_speculative_tokens: int = 4
     drafter: str = "auto"
+    ngram: int = 3
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter={self.drafter!r} is invalid: use one of {', '.join(DRAFTERS)}")
         n, g = self.draft_layers, self.num_speculative_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if n is None and self.drafter in EXIT_DRAFTERS:
+            raise ValueError(f"drafter {self.drafter!r} needs draft_layers (the exit depth N)")
+        if n is not None and (not _is_int(n) or n < 1):
             raise ValueError(f"draft_layers={n!r} is invalid: use an integer >= 1 (and below the model's layer count)")
-        if not isinstance(g, int) or isinstance(g, bool) or not 1 <= g <= MAX_SPECULATIVE_TOKENS:
+        if not _is_int(g) or not 1 <= g <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens={g!r} is invalid: use an integer in [1, {MAX_SPECULATIVE_TOKENS}]"
             )
+        if not _is_int(self.ngram) or not 1 <= self.ngram <= MAX_NGRAM:
+            raise ValueError(f"ngram={self.ngram!r} is invalid: use an integer in [1, {MAX_NGRAM}]")
 
     def check(self, num_layers: int) -> None:
-        if self.draft_layers >= num_layers:
+        n = self.draft_layers
+        top = num_layers - 1 if self.drafter in EXIT_DRAFTERS else num_layers  # a full quantized copy may run all
+        if n is not None and n > top:
             raise SelfspecError(
-                f"draft_layers={self.draft_layers} is invalid for a {num_layers}-layer model: use 1..{num_layers - 1}"
+                f"draft_layers={n} is invalid for a {num_layers}-layer model: use 1..{top} "
+                f"with drafter {self.drafter!r}"
             )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -63,6 +82,7 @@ class RoundInput:
     gammas: list[int] | None = None  # [B] draft tokens per row at most (0: a plain row); None: all 0
     drafter: Drafter | None = None  # None: a plain round
     confidence_threshold: float = 0.0  # > 0: a row stops drafting once its top draft probability falls below
+    history: list[list[int]] | None = None  # [B] each row's tokens so far, ending with `last` (lookup reads it)
 
     def __post_init__(self) -> None:
         self.gammas = [0] * len(self.seqs) if self.gammas is None else list(self.gammas)

@@ -12,7 +12,7 @@ from .round import RoundResult
 class SpecStats:
     """Speculation counted per round: a round drafts γ tokens and emits accepted + 1."""
 
-    draft_layers: int
+    draft_layers: int | None  # None: a drafter that runs no layers (lookup)
     num_speculative_tokens: int
     drafter: str = "exit"  # the drafter's name (see decoding/drafter.py)
     rounds: int = 0

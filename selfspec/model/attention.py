@@ -20,6 +20,11 @@ class AttentionBatch:
     write_slots: torch.Tensor  # [B * S] slot (block * block_size + offset) receiving each new token's K/V
     block_size: int
     num_tokens: list[int]  # [B] real (unpadded) query tokens per sequence
+    # [B] first block of sequence b when its visible blocks are consecutive in the pool (None otherwise):
+    # its keys are then a view of the cache instead of a gathered copy.
+    first_blocks: list[int | None] | None = None
+    # [B][num_tokens[b]] `positions` as Python ints, so that the per-query loop reads no tensor.
+    query_positions: list[list[int]] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -57,6 +62,20 @@ def gather_kv(layer_kv: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     return blocks[:, :, :, :t]
 
 
+def sequence_kv(layer_kv: torch.Tensor, batch: AttentionBatch, b: int) -> torch.Tensor:
+    """-> [2, 1, kv_heads, kv_lens[b], head_dim]: sequence b's keys and values in position order; a
+    view of the cache when its blocks are consecutive (no copy), else one gather of its blocks."""
+    two, heads, blocks, bs, dim = layer_kv.shape
+    t = batch.kv_lens[b]
+    first = batch.first_blocks[b] if batch.first_blocks is not None else None
+    if first is not None:
+        flat = layer_kv.view(two, heads, blocks * bs, dim)
+        return flat[:, None, :, first * bs : first * bs + t]
+    nb = -(-t // bs)
+    picked = layer_kv.index_select(2, batch.block_tables[b, :nb])  # [2, kv_heads, nb, bs, dim]
+    return picked.view(two, 1, heads, nb * bs, dim)[:, :, :, :t]
+
+
 ROW_EXACT_QUERIES = 64  # up to this many queries in a pass, each is attended on its own (see below)
 
 
@@ -68,19 +87,39 @@ def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBat
     differently when other rows (or masked keys) share the call, and verification must compute each
     position to the same bits as the plain step that would have computed it alone. A long pass (a
     prompt) is one masked call."""
-    kv = gather_kv(layer_kv, batch)
     b, _, s, _ = q.shape
     if b * s > ROW_EXACT_QUERIES:
+        kv = gather_kv(layer_kv, batch)
         return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)
-    if b * s == 1:  # a plain decoding step: its keys are exactly the gathered ones
-        start = 0 if window is None else max(0, batch.kv_lens[0] - window)
-        return F.scaled_dot_product_attention(q, kv[0, :, :, start:], kv[1, :, :, start:], enable_gqa=True)
-    out = torch.empty_like(q)
+    if b == 1:
+        return _one_sequence(q, sequence_kv(layer_kv, batch, 0), _query_positions(batch, 0), window)
+    out = torch.zeros_like(q)  # padded query rows stay zero (finite) for the linears that follow
     for i in range(b):
-        for j in range(batch.num_tokens[i]):
-            end = int(batch.positions[i, j]) + 1  # keys [0, position] in a causal pass
-            start = 0 if window is None else max(0, end - window)
-            k, v = kv[0, i : i + 1, :, start:end], kv[1, i : i + 1, :, start:end]
-            qij = q[i : i + 1, :, j : j + 1]
-            out[i : i + 1, :, j : j + 1] = F.scaled_dot_product_attention(qij, k, v, enable_gqa=True)
+        n = batch.num_tokens[i]
+        if n == 0:
+            continue
+        rows = _one_sequence(q[i : i + 1, :, :n], sequence_kv(layer_kv, batch, i), _query_positions(batch, i), window)
+        out[i : i + 1, :, :n] = rows
     return out
+
+
+def _query_positions(batch: AttentionBatch, b: int) -> list[int]:
+    if batch.query_positions is not None:
+        return batch.query_positions[b]
+    return batch.positions[b, : batch.num_tokens[b]].tolist()
+
+
+def _one_sequence(q: torch.Tensor, kv: torch.Tensor, positions: list[int], window: int | None) -> torch.Tensor:
+    """q [1, heads, n, head_dim] at `positions` [n], kv [2, 1, kv_heads, T, head_dim] -> [1, heads, n,
+    head_dim]: one SDPA call per query over exactly keys [start, position] (row-exact, see above)."""
+    k, v = kv[0], kv[1]  # each [1, kv_heads, T, head_dim]
+    outs = []
+    for qj, pos in zip(q.split(1, dim=2), positions):
+        end = pos + 1
+        start = 0 if window is None else max(0, end - window)
+        if start == 0 and end == k.shape[2]:  # the last query (or a plain step) reads every key
+            outs.append(F.scaled_dot_product_attention(qj, k, v, enable_gqa=True))
+        else:
+            kj, vj = k.narrow(2, start, end - start), v.narrow(2, start, end - start)
+            outs.append(F.scaled_dot_product_attention(qj, kj, vj, enable_gqa=True))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

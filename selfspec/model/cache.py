@@ -135,28 +135,28 @@ class PagedKVCache:
         starts = [s.length for s in seqs] if starts is None else starts
         for seq, start, n in zip(seqs, starts, num_tokens):
             self.reserve(seq, start, n)
-        width = max(num_tokens)
-        positions = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, S]
-        slots = torch.full((len(seqs), width), NULL_BLOCK * self.block_size, dtype=torch.long)  # [B, S]
-        kv_lens = []
-        for b, (seq, start, n) in enumerate(zip(seqs, starts, num_tokens)):
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            positions[b, :n] = pos
-            slots[b, :n] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            kv_lens.append(start + n)
+        # Built as Python lists and converted once each: a handful of tiny tensor ops per sequence cost
+        # more than the whole list arithmetic at decoding sizes.
+        bs, width = self.block_size, max(num_tokens)
+        kv_lens = [start + n for start, n in zip(starts, num_tokens)]
         max_blocks = self.blocks_needed(max(kv_lens))
-        tables = torch.full((len(seqs), max_blocks), NULL_BLOCK, dtype=torch.long)  # [B, max_blocks]
-        for b, seq in enumerate(seqs):
-            used = self.blocks_needed(kv_lens[b])
-            tables[b, :used] = torch.tensor(seq.block_table[:used], dtype=torch.long)
+        positions, slots, tables, firsts = [], [], [], []
+        for seq, start, n, kv_len in zip(seqs, starts, num_tokens, kv_lens):
+            pos = list(range(start, start + n))
+            table = seq.block_table[: self.blocks_needed(kv_len)]
+            positions.append(pos)
+            slots.append([table[p // bs] * bs + p % bs for p in pos] + [NULL_BLOCK * bs] * (width - n))
+            tables.append(table + [NULL_BLOCK] * (max_blocks - len(table)))
+            firsts.append(table[0] if table and _consecutive(table) else None)
         return AttentionBatch(
-            positions=positions,
-            block_tables=tables,
+            positions=torch.tensor([p + [0] * (width - len(p)) for p in positions], dtype=torch.long),  # [B, S]
+            block_tables=torch.tensor(tables, dtype=torch.long),  # [B, max_blocks]
             kv_lens=kv_lens,
-            write_slots=slots.flatten(),
-            block_size=self.block_size,
+            write_slots=torch.tensor(slots, dtype=torch.long).flatten(),  # [B * S]
+            block_size=bs,
             num_tokens=list(num_tokens),
+            first_blocks=firsts,
+            query_positions=positions,
         )
 
     # ---- internals --------------------------------------------------------------------------------
@@ -178,3 +178,7 @@ class PagedKVCache:
             layer[:, :, new] = layer[:, :, old]
         self.refcount[old] -= 1
         seq.block_table[index] = new
+
+
+def _consecutive(table: list[int]) -> bool:
+    return all(b - a == 1 for a, b in zip(table, table[1:]))

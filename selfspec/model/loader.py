@@ -92,11 +92,19 @@ def load(
 ) -> LoadedModel:
     """`dtype`: the activations' dtype; `weights`: the linears' format (kernels/choice.py), chosen with
     the backend that runs it on this machine. int4 weights of a 4-bit GGUF are its own codes."""
-    torch_dtype = parse_dtype(dtype)
     ckpt = resolve_checkpoint(model)
+    decoder = load_weights(ckpt, dtype, weights, backend)
+    return LoadedModel(decoder, load_tokenizer(ckpt), ckpt, name=model)
+
+
+def load_weights(
+    ckpt: Path, dtype: str | torch.dtype = "float32", weights: str = "auto", backend: str | None = None
+) -> DecoderModel:
+    """The decoder of checkpoint directory `ckpt` with its linears in format `weights` (a quantized
+    self-draft loads the same checkpoint a second time this way)."""
+    torch_dtype = parse_dtype(dtype)
     hf_config = json.loads((ckpt / "config.json").read_text())
-    config = ModelConfig.from_hf(hf_config)
-    config = _with_eos_ids(config, ckpt)
+    config = _with_eos_ids(ModelConfig.from_hf(hf_config), ckpt)
     get = _tensor_source(ckpt)
     sample = get("model.layers.0.mlp.gate_proj.weight")
     sample = None if sample is None else sample.float()
@@ -106,9 +114,7 @@ def load(
     if kernels.weights == "int4" and source.is_file():
         gguf = Path(json.loads(source.read_text())["gguf"])
         codes = cached_codes(gguf, config, ckpt / "int4-codes.safetensors") if gguf.is_file() else None
-    decoder = build_model(config, get, torch_dtype, kernels, codes)
-    tokenizer = load_tokenizer(ckpt)
-    return LoadedModel(decoder, tokenizer, ckpt, name=model)
+    return build_model(config, get, torch_dtype, kernels, codes)
 
 
 def load_tokenizer(ckpt: Path):

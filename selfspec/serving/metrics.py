@@ -22,6 +22,12 @@ class Metrics:
             ["position"],
             registry=r,
         )
+        self.draft_tokens_by = Counter(
+            "selfspec_spec_decode_drafter_draft_tokens", "Draft tokens proposed, by drafter", ["drafter"], registry=r
+        )
+        self.accepted_tokens_by = Counter(
+            "selfspec_spec_decode_drafter_accepted_tokens", "Draft tokens accepted, by drafter", ["drafter"], registry=r
+        )
         for position in range(8):  # the usual positions show from the start, at zero
             self.accepted_per_pos.labels(str(position))
         self.prompt_tokens = Counter("selfspec_prompt_tokens", "Prompt tokens processed", registry=r)
@@ -75,6 +81,8 @@ class Metrics:
             self.drafts.inc(s.rounds)
             self.draft_tokens.inc(s.drafted)
             self.accepted_tokens.inc(s.accepted)
+            self.draft_tokens_by.labels(s.drafter).inc(s.drafted)
+            self.accepted_tokens_by.labels(s.drafter).inc(s.accepted)
             for i, n in enumerate(s.accepted_per_position):
                 if n:
                     self.accepted_per_pos.labels(str(i)).inc(n)

@@ -23,6 +23,7 @@ class SpeculativeOptions(BaseModel):
     draft_layers: int | None = None
     num_speculative_tokens: int | None = None
     drafter: str | None = None
+    ngram: int | None = None
 
 
 class _Common(BaseModel):

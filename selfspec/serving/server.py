@@ -110,7 +110,7 @@ class Service:
         if o is None:
             return "auto"
         try:
-            override = SpecOverride(o.enabled, o.draft_layers, o.num_speculative_tokens, o.drafter)
+            override = SpecOverride(o.enabled, o.draft_layers, o.num_speculative_tokens, o.drafter, o.ngram)
         except ValueError as e:
             raise ApiError(400, f"speculative: {e}", "speculative") from None
         num_layers = self.engine.model.num_layers

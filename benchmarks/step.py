@@ -1,0 +1,130 @@
+"""Where a decoding step's time goes: the linear layers versus everything else (norms, residuals, RoPE,
+KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
+
+    python benchmarks/step.py [--configs float32:auto,float32:int4,bfloat16:auto] [--queries 1,5]
+                              [--steps 40] [--repeats 5] [--threads 2] [--out benchmarks/results/step]
+
+A step is one forward of `k` query tokens after a 300-token prompt plus the logits a decoder reads
+(the last row for k = 1, every row for a k-token verification), then a rollback to 300 positions.
+"Rest" is timed with every linear's matmul replaced by a preallocated zero tensor of its output
+shape (the library is untouched: the swap lives here), "linears" is the full step minus the rest.
+Full and stubbed steps alternate in blocks, repeated; medians are reported. Writes {out}.json/.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe, markdown  # noqa: E402
+
+from selfspec.model.loader import load  # noqa: E402
+
+PROMPT = list(range(100, 400))  # 300 tokens
+
+
+def stub_linears(model) -> None:
+    """Every linear's matmul returns a zero tensor of its output shape, allocated once per row count."""
+    for lin in model.linears():
+        zeros: dict[int, torch.Tensor] = {}
+
+        def matmul(x: torch.Tensor, out=lin.out_features, zeros=zeros, dtype=lin.dtype) -> torch.Tensor:
+            rows = x.shape[0]
+            if rows not in zeros:
+                zeros[rows] = torch.zeros(rows, out, dtype=dtype)
+            return zeros[rows]
+
+        lin.matmul = matmul
+
+
+def unstub_linears(model) -> None:
+    for lin in model.linears():
+        lin.__dict__.pop("matmul", None)
+
+
+def step_fn(model, k: int):
+    cache = model.new_cache(2048)
+    seq = cache.allocate()
+    model.prefill(cache, seq, PROMPT)
+    tokens = torch.tensor([[5] * k])
+    rows = slice(-1, None) if k == 1 else slice(None)
+
+    def step() -> None:
+        h = model.forward(tokens, cache, [seq])  # [1, k, hidden]
+        model.logits(h[:, rows])
+        cache.truncate(seq, len(PROMPT))
+
+    return step
+
+
+def per_step_ms(step, n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def measure(config: str, queries: list[int], steps: int, repeats: int) -> list[dict]:
+    dtype, weights = config.split(":")
+    model = load("default", dtype, weights).model
+    rows = []
+    with torch.inference_mode():
+        for k in queries:
+            step = step_fn(model, k)
+            for _ in range(30):  # warm-up: the first forwards pay for the VM's page reclaim
+                step()
+            full, rest = [], []
+            for _ in range(repeats):
+                full.append(per_step_ms(step, steps))
+                stub_linears(model)
+                step()
+                rest.append(per_step_ms(step, steps))
+                unstub_linears(model)
+                step()
+            f, r = statistics.median(full), statistics.median(rest)
+            rows.append(
+                {"config": config, "backend": model.kernels.backend, "queries": k, "step_ms": round(f, 2)}
+                | {"linears_ms": round(f - r, 2), "rest_ms": round(r, 2), "rest_runs_ms": [round(x, 2) for x in rest]}
+            )
+            print(f"{config:18s} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="float32:auto,float32:int4,bfloat16:auto")
+    ap.add_argument("--queries", default="1,5")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "step"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    queries = [int(q) for q in args.queries.split(",")]
+    rows = [r for c in args.configs.split(",") for r in measure(c, queries, args.steps, args.repeats)]
+    machine = describe(args.threads)
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    lines = [
+        "| config | backend | queries | step ms | linears ms | rest ms |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['config']} | {r['backend']} | {r['queries']} | {r['step_ms']} | {r['linears_ms']} | {r['rest_ms']} |"
+            for r in rows
+        ),
+    ]
+    out.with_suffix(".md").write_text(markdown(machine) + "\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Hybrid per round: each row drafts by context lookup when its last tokens recur in its context,
+and with a model-based drafter otherwise (or not at all, without one). Both kinds verify from layer 0
+(lookup runs no layers; a quantized draft's K/V are rewritten), so rows of either kind share the
+round's one verification pass."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..model.cache import PagedKVCache
+from ..model.decoder import DecoderModel
+from .drafter import Draft, Drafter, ExitDrafter
+from .lookup import LookupDrafter
+
+if TYPE_CHECKING:
+    from .round import RoundInput
+
+
+class HybridDrafter(Drafter):
+    name = "hybrid"
+
+    def __init__(self, lookup: LookupDrafter, fallback: Drafter | None) -> None:
+        if isinstance(fallback, ExitDrafter):  # its rows would resume at layer N, lookup rows at 0
+            raise ValueError("a hybrid's fallback must verify from layer 0 (int4/int8), not an early exit")
+        self.lookup, self.fallback = lookup, fallback
+
+    def describe(self) -> dict:
+        out = dict(self.lookup.describe(), drafter=self.name)
+        if self.fallback is not None:
+            out["fallback"] = self.fallback.describe()
+        return out
+
+    def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
+        found = self.lookup.propose(model, cache, step)
+        rest = [0 if found.tokens[b] else g for b, g in enumerate(step.gammas)]  # rows lookup could not serve
+        if self.fallback is None or not any(rest):
+            return found
+        drafted = self.fallback.propose(model, cache, replace(step, gammas=rest))
+        tokens = [t or d for t, d in zip(found.tokens, drafted.tokens)]
+        probs = [p if t else q for t, p, q in zip(found.tokens, found.probs, drafted.probs)]
+        return Draft(tokens, probs)

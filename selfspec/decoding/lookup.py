@@ -1,0 +1,52 @@
+"""Context lookup (prompt lookup / n-gram drafting): the draft is the continuation of the most recent
+earlier occurrence of the row's last n tokens in its own prompt and output, tried from n = `ngram`
+down to 1. Free to draft (no forward pass), right often where the answer copies its context (RAG,
+summarization, code edits).
+
+A lookup draft is a point mass: q = onehot(d). The acceptance rule then keeps d with probability
+p(d) and recovers from normalize(max(0, p - onehot(d))) — which the round builds for every draft
+without its own q (see round._accept), so lossless sampling needs nothing more here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..model.cache import PagedKVCache
+from ..model.decoder import DecoderModel
+from .drafter import Draft, Drafter
+
+if TYPE_CHECKING:
+    from .round import RoundInput
+
+
+class LookupDrafter(Drafter):
+    name = "lookup"
+
+    def __init__(self, ngram: int = 3) -> None:
+        self.ngram = ngram
+
+    def describe(self) -> dict:
+        return {"drafter": self.name, "ngram": self.ngram}
+
+    def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
+        if step.history is None:
+            raise ValueError("the lookup drafter needs the rows' token history (RoundInput.history)")
+        tokens = [match(h, self.ngram, g) if g > 0 else [] for h, g in zip(step.history, step.gammas)]
+        return Draft(tokens, [[] for _ in tokens])
+
+
+def match(history: list[int], ngram: int, limit: int) -> list[int]:
+    """Up to `limit` tokens following the most recent earlier occurrence of history's last n tokens
+    (n = ngram .. 1; the longest suffix that recurs wins); [] when none recurs."""
+    if len(history) < 2:
+        return []
+    seq = torch.tensor(history)  # [T]
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # [T - n, n]: every n-gram that has a token after it
+        hits = (windows == seq[-n:]).all(-1).nonzero()  # [H, 1] start positions of earlier occurrences
+        if hits.numel():
+            after = int(hits[-1]) + n  # the first token after the most recent occurrence
+            return history[after : after + limit]
+    return []

@@ -1,0 +1,169 @@
+"""The drafters beyond the early exit: context lookup, the model's own weights quantized (int4/int8),
+and the per-row hybrid. Lossless greedy and sampled, the draft's K/V rewritten by verification, and
+mutations (a wrong q, draft K/V left in place) caught."""
+
+import pytest
+import torch
+
+from selfspec import SamplingParams, SpecConfig
+from selfspec.calibration.distribution import sample_continuations
+from selfspec.decoding.drafter import Draft
+from selfspec.decoding.hybrid import HybridDrafter
+from selfspec.decoding.lookup import LookupDrafter, match
+from selfspec.decoding.quantized import QuantizedDrafter, share_embeddings
+from selfspec.decoding.round import RoundInput, speculative_round
+from selfspec.kernels.choice import plan
+from selfspec.model.config import ModelConfig
+from selfspec.model.decoder import build_model
+
+from .conftest import tiny_hf_model
+from .test_speculative import VOCAB, exact_joint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_match_takes_the_longest_recurring_suffix_most_recent_first():
+    assert match([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, 4) == [7, 5, 2, 3]  # "2 3" recurs; most recent wins
+    assert match([1, 2, 3, 9, 4, 2, 3], 3, 2) == [9, 4]  # "2 3" at the start
+    assert match([5, 1, 2, 8, 1, 2], 1, 3) == [8, 1, 2]  # n = 1: "2" last seen before 8
+    assert match([1, 2, 3, 4], 3, 4) == []  # nothing recurs
+    assert match([7], 3, 4) == [] and match([], 3, 4) == []
+    assert match([4, 4, 4], 2, 5) == [4]  # an occurrence overlapping the suffix: only what follows it
+
+
+# ---- greedy: every drafter's output equals plain decoding ---------------------------------------------
+
+
+def test_greedy_equals_plain_for_every_drafter(tiny_engine):
+    prompts = ("hello hello hello", "The quick brown fox jumps over the quick brown", "1 2 3 4 1 2 3")
+    plain = [tiny_engine.generate(p, GREEDY, speculation=None).token_ids for p in prompts]
+    for drafter in ("lookup", "int4", "int8", "hybrid"):
+        rounds = 0
+        for prompt, expected in zip(prompts, plain):
+            spec = tiny_engine.generate(prompt, GREEDY, speculation=SpecConfig(None, 4, drafter))
+            assert spec.token_ids == expected, drafter
+            assert spec.stats.spec.drafter == drafter
+            rounds += spec.stats.spec.rounds
+        assert rounds > 0, drafter  # lookup drafts only where the context repeats itself
+    assert tiny_engine.cache.num_used_blocks == 0
+
+
+def test_quantized_draft_reports_its_memory_and_depth(tiny_engine):
+    full = tiny_engine.drafter(SpecConfig(None, 4, "int4"))
+    two = tiny_engine.drafter(SpecConfig(2, 4, "int4"))
+    assert full.describe()["draft_layers"] == 4 and two.describe()["draft_layers"] == 2
+    assert full.draft is two.draft  # one quantized copy per format, shared by every depth
+    assert full.describe()["memory_mb"] > 0
+    assert full.draft.embed_weight is tiny_engine.model.embed_weight  # only the linears are added
+    r = tiny_engine.generate("abc abc abc", GREEDY, speculation=SpecConfig(2, 3, "int4"))
+    assert r.stats.spec.draft_layers == 2 and r.stats.spec.rounds > 0
+
+
+# ---- a small-vocabulary model, its int4 copy and the exact joint distribution ---------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    """(target, its int4 copy): a random 4-layer llama over 12 tokens (as test_speculative's)."""
+    hf = tiny_hf_model("llama", vocab_size=12, num_hidden_layers=4, initializer_range=0.4, seed=5)
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    target = build_model(config, hf.state_dict().get, torch.float32)
+    draft = build_model(config, hf.state_dict().get, torch.float32, plan(torch.float32, "int4"))
+    assert draft.kernels.weights == "int4"
+    return target, share_embeddings(draft, target)
+
+
+def drafters(small) -> dict:
+    quantized = QuantizedDrafter(small[1])
+    return {"lookup": LookupDrafter(2), "int4": quantized, "hybrid": HybridDrafter(LookupDrafter(2), quantized)}
+
+
+class WrongLookup(LookupDrafter):
+    """A mutation: lookup drafts that claim a uniform q instead of their point mass."""
+
+    def propose(self, model, cache, step) -> Draft:
+        draft = super().propose(model, cache, step)
+        return Draft(draft.tokens, [[torch.full((VOCAB,), 1 / VOCAB)] * len(t) for t in draft.tokens])
+
+
+PROMPT = [1, 5, 7, 2, 1, 5, 7]  # "5 7" recurs: lookup drafts 2, 1, 5, 7 from the first token on
+
+
+def chi_square_pvalue(model, drafter, params, n=30_000) -> float:
+    from scipy import stats
+
+    joint = exact_joint(model, PROMPT, params).double()
+    cache = model.new_cache(200_000, block_size=4)
+    spec = SpecConfig(None, 3, "int4")  # γ; what drafts is `drafter`
+    samples = sample_continuations(model, cache, PROMPT, params, spec, n, 2, seed=11, chunk=5000, drafter=drafter)
+    assert cache.num_used_blocks == 0
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for a, b in samples:
+        counts[a, b] += 1
+    assert counts[joint == 0].sum() == 0
+    expected, observed = (joint * n).flatten(), counts.flatten()
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    return stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+@pytest.mark.parametrize("name", ["lookup", "int4", "hybrid"])
+@torch.inference_mode()
+def test_sampled_joint_distribution_is_exact(small, name):
+    """30k speculative samples of (t1, t2) at T=1 against the exact joint (chi-square at 1e-4, fixed
+    seeds): the lookup's point mass, the int4 draft's own q, and rows of both in one batch."""
+    assert chi_square_pvalue(small[0], drafters(small)[name], SamplingParams(temperature=1.0)) > 1e-4
+
+
+@torch.inference_mode()
+def test_a_wrong_lookup_q_is_caught(small):
+    assert chi_square_pvalue(small[0], WrongLookup(2), SamplingParams(temperature=1.0)) < 1e-4
+
+
+# ---- the draft's K/V never survive verification ------------------------------------------------------
+
+
+def cached_kv(cache, seq) -> torch.Tensor:
+    """[layers, 2, kv_heads, length, head_dim]: a sequence's cache entries in position order."""
+    return torch.stack([layer[:, :, seq.block_table].flatten(2, 3)[:, :, : seq.length] for layer in cache.layers])
+
+
+@torch.inference_mode()
+def test_verification_rewrites_the_draft_kv(small):
+    """After int4-drafted rounds, the cache holds exactly what plain decoding of the same tokens
+    writes; the draft alone would have left different K/V there (so a skipped rewrite is caught)."""
+    target, draft = small
+    quantized = QuantizedDrafter(draft)
+    greedy = [SamplingParams(temperature=0)]
+    cache = target.new_cache(1024, block_size=4)
+    spec, plain = cache.allocate(), cache.allocate()
+    target.prefill(cache, spec, PROMPT[:-1])
+    tokens = list(PROMPT)
+    for _ in range(6):
+        r = speculative_round(target, cache, RoundInput([spec], [tokens[-1]], greedy, [None], [3], quantized))
+        tokens += r.tokens[0]
+    for t in tokens[:-1]:  # plain decoding writes one position per step
+        target.forward(torch.tensor([[t]]), cache, [plain])
+    assert spec.length == plain.length == len(tokens) - 1
+    tol = 0.0 if target.kernels.row_exact else 1e-5
+    torch.testing.assert_close(cached_kv(cache, spec), cached_kv(cache, plain), atol=tol, rtol=tol)
+    # The mutation: a draft pass alone writes K/V of its own at the positions it drafts.
+    before = cached_kv(cache, spec)
+    step = RoundInput([spec], [tokens[-1]], greedy, [None], [3], quantized)
+    quantized.propose(target, cache, step)
+    cache.truncate(spec, len(tokens) - 1 + 3)
+    drafted = cached_kv(cache, spec)
+    assert torch.equal(drafted[:, :, :, : before.shape[3]], before)  # earlier positions untouched
+    target.forward(torch.tensor([tokens[-1:]]), cache, [plain])
+    assert not torch.allclose(drafted[:, :, :, before.shape[3]], cached_kv(cache, plain)[:, :, :, -1], atol=1e-4)
+
+
+def test_lookup_acceptance_replays_what_lookup_would_draft():
+    """Calibration's replay of lookup over a teacher-forced continuation (T = 0: p is the argmax)."""
+    from selfspec.calibration.calibrate import lookup_acceptance
+
+    prompt, cont = [1, 2, 3, 4, 1, 2], [3, 4, 9]
+    p = torch.nn.functional.one_hot(torch.tensor(cont), 10).float()
+    assert lookup_acceptance(prompt, cont, p, gamma=3, ngram=3) == [[1.0, 1.0, 0.0], [1.0, 0.0], [0.0]]
+    assert lookup_acceptance([5, 6], [7], torch.ones(1, 10), gamma=3, ngram=3) == [[]]  # nothing recurs
