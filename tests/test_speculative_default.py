@@ -16,7 +16,7 @@ GAMMA = {8: 1, 15: 2, 24: 3}  # short drafts: untrained exits accept little, and
 @pytest.fixture(scope="module")
 def plain_outputs(default_engine):
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-    return {p: default_engine.generate(p, params).token_ids for p in PROMPTS}
+    return {p: default_engine.generate(p, params, speculation=None).token_ids for p in PROMPTS}
 
 
 @pytest.mark.parametrize("draft_layers", [8, 15, 24])
@@ -26,6 +26,19 @@ def test_greedy_equals_plain_on_dev_prompts(default_engine, plain_outputs, draft
     for prompt in PROMPTS:
         result = default_engine.generate(prompt, params, speculation=spec)
         assert result.token_ids == plain_outputs[prompt], f"diverged on {prompt[:60]!r}"
+
+
+@pytest.mark.parametrize("drafter,gamma", [("lookup", 5), ("int4", 2), ("hybrid", 3)])
+def test_drafters_greedy_equal_plain_on_dev_prompts(default_engine, plain_outputs, drafter, gamma):
+    """The quantized self-draft (the GGUF's own codes), lookup and the hybrid: drafts never change
+    the fp32 output."""
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        result = default_engine.generate(prompt, params, speculation=SpecConfig(None, gamma, drafter))
+        assert result.token_ids == plain_outputs[prompt], f"{drafter} diverged on {prompt[:60]!r}"
+        accepted += result.stats.spec.accepted
+    assert accepted > 0
 
 
 def test_active_kernels_are_row_exact(default_engine, int4_engine):
@@ -53,4 +66,16 @@ def test_sampled_logliks_match_plain(default_engine):
     prompt = engine.encode(PROMPTS[1])
     params = SamplingParams(temperature=0.8)
     report = compare(engine.model, prompt, params, SpecConfig(24, 2), samples=500, new_tokens=4, seed=1)
+    assert report.lossless, report
+
+
+@torch.inference_mode()
+def test_sampled_logliks_match_plain_with_the_hybrid(default_engine):
+    """The same two-sample test with the hybrid drafter: lookup rows (point masses) and int4 rows
+    (their own q) in one batch."""
+    engine = default_engine
+    prompt = engine.encode(PROMPTS[2])
+    config = SpecConfig(None, 2, "hybrid")
+    params = SamplingParams(temperature=0.8)
+    report = compare(engine.model, prompt, params, config, 500, 4, 2, drafter=engine.drafter(config))
     assert report.lossless, report

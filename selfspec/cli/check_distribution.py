@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from selfspec.decoding.round import DRAFTERS
+
 from .common import (
     ArgumentParser,
     add_draft_head_args,
@@ -31,8 +33,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--draft-layers", type=positive_int, required=True, metavar="N")
+    p.add_argument(
+        "--draft-layers", type=positive_int, metavar="N", help="draft depth (exit, head; int4/int8: optional)"
+    )
     p.add_argument("--gamma", type=positive_int, default=4, metavar="K")
+    p.add_argument("--drafter", choices=DRAFTERS, default="auto", help="what drafts (see selfspec generate --help)")
+    p.add_argument("--ngram", type=positive_int, default=3, help="lookup/hybrid suffix length")
     p.add_argument("--samples", type=positive_int, default=500, help="continuations per arm (default 500)")
     p.add_argument("--new-tokens", type=positive_int, default=8, help="tokens per continuation (default 8)")
     p.add_argument("--seed", type=int, default=0)
@@ -48,10 +54,14 @@ def _body(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if params.greedy:
         raise ValueError("--temperature 0 is greedy: there is no distribution to compare (use > 0)")
-    config = SpecConfig(args.draft_layers, args.gamma)
+    if args.draft_layers is None and args.drafter in ("auto", "exit", "head"):
+        raise ValueError(
+            f"--drafter {args.drafter} needs --draft-layers N (or use --drafter int4, int8, lookup, hybrid)"
+        )
+    config = SpecConfig(args.draft_layers, args.gamma, args.drafter, args.ngram)
     engine = engine_from_args(args, draft_head=draft_head_arg(args))
-    drafter = engine.drafter(config)  # the head at its depth, else the exit, as in generate
-    head = engine.heads.get(config.draft_layers)
+    drafter = engine.drafter(config)  # as in generate: auto is the head at its depth, else the exit
+    head = engine.heads.get(config.draft_layers) if drafter.name == "head" else None
     prompt = engine.encode(args.prompt, chat=not args.raw)
     report = compare(engine.model, prompt, params, config, args.samples, args.new_tokens, args.seed, drafter=drafter)
     if args.json:
@@ -59,7 +69,8 @@ def _body(args) -> int:
     else:
         verdict = "consistent with lossless" if report.lossless else "NOT consistent with lossless"
         print(
-            f"{report.samples} samples x {report.new_tokens} tokens per arm, N={config.draft_layers}, "
+            f"{report.samples} samples x {report.new_tokens} tokens per arm, drafter {drafter.name}, "
+            f"N={config.draft_layers}, "
             f"gamma={config.num_speculative_tokens}, "
             f"T={params.temperature}, top_p={params.top_p}, top_k={params.top_k}, "
             f"draft head: {head.kind if head else 'none'}\n"
