@@ -140,6 +140,7 @@ def time_costs(
     repeats: int = 7,
     heads: dict | None = None,
     copies: dict[str, DecoderModel] | None = None,
+    lookup: bool = False,
 ) -> tuple[float, dict[str, float], dict[str, dict[str, float]]]:
     """Times, at a context of len(context) tokens: a full plain step; a draft step per N (layers [0, N)
     + head + argmax; a trained draft head where `heads` has one); a verification per (N, γ) (the last
@@ -185,15 +186,16 @@ def time_costs(
         full = statistics.median(once(step) for _ in range(repeats))
         c = {str(n): ratio(lambda: forward(1, 0, n, head=True)) for n in draft_layers}
         v = {str(n): {str(g): ratio(lambda: verify(n, g)) for g in gammas} for n in draft_layers}
-        if copies:
+        if copies or lookup:
             from_zero = {
                 str(g): ratio(lambda: forward(g + 1, 0, model.num_layers, head=True)) for g in range(1, max(gammas) + 1)
             }
-            for name, copy in copies.items():
+            for name, copy in (copies or {}).items():
                 c[name] = ratio(lambda: forward(1, 0, copy.num_layers, head=True, net=copy))
                 v[name] = from_zero
-            c["lookup"] = ratio(lambda: match(context, 3, max(gammas)))
-            v["lookup"] = from_zero
+            if lookup:
+                c["lookup"] = ratio(lambda: match(context, 3, max(gammas)))
+                v["lookup"] = from_zero
         return full, c, v
     finally:
         cache.free(seq)
@@ -237,7 +239,7 @@ def estimate_buckets(
         for cat in (r.category, "all"):
             for lb in (r.length_bucket, "all"):
                 groups.setdefault((cat, lb, r.temperature), []).append(r)
-    gammas = [g for g in next(iter(v.values()))]
+    gammas = list(next(iter(v.values())))  # the calibrated γs (the exits' list, or 1..max)
     fallback = next((n for n in c if not n.isdigit() and n != "lookup"), None)
     out = []
     for (cat, lb, t), recs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
@@ -352,7 +354,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     if costs is None:
         context = encoded[str(questions[0]["question_id"])]
         full, c, v = time_costs(
-            model, cache, context, plan.draft_layers, plan.gammas, heads=engine.heads, copies=copies
+            model, cache, context, plan.draft_layers, plan.gammas, heads=engine.heads, copies=copies, lookup=plan.lookup
         )
         costs = {"full_step_seconds": full, "c": c, "v": v}
         _append_partial(partial_path, {"__costs__": costs})
