@@ -459,15 +459,14 @@ def _continuations(
 def _validate(engine, questions, estimates: list[BucketEstimate], plan: CalibrationPlan) -> list[dict]:
     """End-to-end speculative vs plain runs (interleaved) for every category the prediction switches on,
     and, at T = 0, for each γ at the best depth (the measured side of the speedup-vs-γ plot)."""
-    overall = next(
-        e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", min(plan.temperatures))
-    )
+    overall = _overall(estimates, min(plan.temperatures))
     best, _, _ = overall.best()
     jobs = [(overall, best, g) for g in plan.gammas if str(g) in overall.speedup[best]]
     # Per category, not per prompt length: a length bucket holds too few prompts to time on its own.
     jobs += [(e, *e.best()[:2]) for e in estimates if e.best()[2] >= 1.0 and e.length_bucket == "all"]
     out = []
     for est, n, g in jobs:
+        spec = spec_config(n, g)
         chosen = [
             q
             for q in questions
@@ -480,7 +479,7 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
         ratios = []
         for i, q in enumerate(chosen):
             ids = engine.encode(q["turns"][0])
-            runs = [None, spec_config(n, g)]
+            runs = [None, spec]
             times = {}
             for config in runs if i % 2 == 0 else runs[::-1]:
                 start = time.perf_counter()
@@ -493,8 +492,8 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
                 "length_bucket": est.length_bucket,
                 "temperature": est.temperature,
                 "source": n,
-                "draft_layers": spec_config(n, g).draft_layers,
-                "drafter": spec_config(n, g).drafter,
+                "draft_layers": spec.draft_layers,
+                "drafter": spec.drafter,
                 "gamma": g,
                 "predicted_speedup": est.speedup[str(n)][str(g)],
                 "measured_speedup": statistics.median(ratios),
@@ -502,6 +501,11 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
             }
         )
     return out
+
+
+def _overall(estimates: list[BucketEstimate], temperature: float) -> BucketEstimate:
+    """The all-categories, all-lengths estimate at `temperature`."""
+    return next(e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", temperature))
 
 
 def _profile(engine, plan, costs, records, estimates, validation):
@@ -530,9 +534,7 @@ def _profile(engine, plan, costs, records, estimates, validation):
     overall = {b.temperature: b for b in buckets if b.category == "all" and b.length_bucket == "all"}
     t0 = overall[min(plan.temperatures)]
     paying = [t for t, b in sorted(overall.items()) if (b.measured_speedup or b.predicted_speedup) >= 1.0]
-    estimate0 = next(
-        e for e in estimates if (e.category, e.length_bucket, e.temperature) == ("all", "all", t0.temperature)
-    )
+    estimate0 = _overall(estimates, t0.temperature)
     source = estimate0.best()[0]
     depths = {n: x for n, x in estimate0.speedup.items() if n.isdigit()}
     best = int(max(depths, key=lambda n: max(depths[n].values()))) if depths else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from selfspec.decoding.round import DRAFTERS
+from selfspec.decoding.round import DRAFTERS, EXIT_DRAFTERS
 
 from .common import (
     ArgumentParser,
@@ -54,7 +54,7 @@ def _body(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if params.greedy:
         raise ValueError("--temperature 0 is greedy: there is no distribution to compare (use > 0)")
-    if args.draft_layers is None and args.drafter in ("auto", "exit", "head"):
+    if args.draft_layers is None and args.drafter in EXIT_DRAFTERS:
         raise ValueError(
             f"--drafter {args.drafter} needs --draft-layers N (or use --drafter int4, int8, lookup, hybrid)"
         )
