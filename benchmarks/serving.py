@@ -8,7 +8,12 @@ many streaming clients, each sending its requests one after another (Spec-Bench 
 Reports output tokens/s, time to first token and inter-token latency (P50 / P99) as the clients saw
 them, and the server's acceptance counters. Mode `on` asks every request to speculate; the scheduler
 still switches speculation off for batches above the policy's max_batch_size, which shows where it
-stops paying. Writes benchmarks/results/serving.{json,md}."""
+stops paying. Writes benchmarks/results/serving.{json,md}.
+
+    python benchmarks/serving.py --faults [--trees new=.,before=PATH]
+
+runs the fault scenarios of benchmarks/faults.py instead (a long prompt, a max_tokens hog, a 50 MB body,
+16 clients) against each code tree's server, side by side."""
 
 from __future__ import annotations
 
@@ -141,7 +146,17 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--faults", action="store_true", help="run the fault scenarios instead (benchmarks/faults.py)")
+    ap.add_argument(
+        "--trees", default="new=.", help="with --faults: name=path of each code tree to serve, comma-separated"
+    )
     args = ap.parse_args()
+    if args.faults:
+        import faults
+
+        trees = dict(item.split("=", 1) for item in args.trees.split(","))
+        faults.run({name: Path(path).resolve() for name, path in trees.items()}, args.threads, args.out)
+        return
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained("default", dtype=args.dtype, kv_cache_tokens=32768)
     server, url = start_server(engine, max_batch_size=16)

@@ -84,3 +84,20 @@ def test_rejection_sampling_follows_target(case):
     # acceptance equals sum(min(p, q)), the overlap of the two distributions
     overlap = torch.minimum(p, q).sum().item()
     assert abs(r.num_accepted.double().mean().item() - overlap) < 0.01
+
+
+def test_tiny_temperature_acceptance_is_greedy_acceptance():
+    """Target and draft processed at a temperature that once gave NaN: rejection sampling of the drafts
+    (each the draft's argmax) emits exactly what greedy acceptance of the same logits does."""
+    from selfspec.decoding.sampling import SamplingParams, process_logits
+
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(64, 4, 8, generator=g) * 3  # [B, γ + 1, vocab]
+    draft = target[:, :3] + torch.randn(64, 3, 8, generator=g)  # [B, γ, vocab], often the same argmax
+    params = SamplingParams(temperature=1e-45)
+    p, q = process_logits(target, params), process_logits(draft, params)
+    assert torch.isfinite(p).all() and torch.isfinite(q).all()
+    drafts = draft.argmax(-1)
+    sampled = rejection_sample(drafts, q, p, [torch.Generator().manual_seed(i) for i in range(64)])
+    greedy = greedy_accept(drafts, target.argmax(-1))
+    assert torch.equal(sampled.output_ids, greedy.output_ids) and 0 < greedy.num_accepted.sum() < 64 * 3

@@ -143,7 +143,8 @@ def test_verification_rewrites_the_draft_kv(small):
     for _ in range(6):
         r = speculative_round(target, cache, RoundInput([spec], [tokens[-1]], greedy, [None], [3], quantized))
         tokens += r.tokens[0]
-    for t in tokens[:-1]:  # plain decoding writes one position per step
+    target.prefill(cache, plain, PROMPT[:-1])  # plain decoding: the same prefill, then a position per step
+    for t in tokens[len(PROMPT) - 1 : -1]:
         target.forward(torch.tensor([[t]]), cache, [plain])
     assert spec.length == plain.length == len(tokens) - 1
     tol = 0.0 if target.kernels.row_exact else 1e-5

@@ -76,3 +76,77 @@ def test_top_p_never_empties_the_distribution():
     logits = torch.tensor([[10.0, 0.0, 0.0]])
     p = process_logits(logits, SamplingParams(temperature=1.0, top_p=1e-6))
     assert p[0, 0] == 1.0 and math.isclose(float(p.sum()), 1.0)
+
+
+# ---- edge cases: never NaN -----------------------------------------------------------------------------
+
+
+def _reference_process(logits, params):
+    """process_logits as it was before the edge-case fixes: ordinary settings must give these bits."""
+    logits = logits.float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"temperature": 0.7}, {"temperature": 1.3, "top_k": 50}, {"top_p": 0.9}, {"temperature": 0.01}]
+)
+def test_ordinary_settings_are_bit_identical(kwargs):
+    logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    params = SamplingParams(**kwargs)
+    assert torch.equal(process_logits(logits, params), _reference_process(logits, params))
+
+
+def _assert_distribution(probs):
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]))
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-46, 1e-300, 5e-324, 1e-30])
+def test_tiny_temperature_is_greedy_up_to_ties(temperature):
+    """Temperatures whose scaled logits overflow float32 (or that float32 rounds to 0) gave NaN; now the
+    limit: the argmax, and an even split between exactly tied maxima."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [-7.0, -2.0, -2.0, -9.0], [1e4, -1e4, float("-inf"), 0.0]])
+    probs = process_logits(logits, SamplingParams(temperature=temperature))
+    _assert_distribution(probs)
+    assert probs.tolist() == [[0, 1, 0, 0], [0, 0.5, 0.5, 0], [1, 0, 0, 0]]
+    for top in ({"top_k": 2}, {"top_p": 0.5}, {"top_k": 3, "top_p": 1e-300}):
+        _assert_distribution(process_logits(logits, SamplingParams(temperature=temperature, **top)))
+    ids, _ = sample_rows(logits, [SamplingParams(temperature=temperature)] * 3, [make_generator(i) for i in range(3)])
+    assert ids[0] == 1 and ids[1] in (1, 2) and ids[2] == 0  # never the last vocabulary id by NaN
+
+
+def test_a_row_that_overflows_does_not_change_its_batch():
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [1e38, 3e38, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.5)
+    probs = process_logits(logits, params)
+    _assert_distribution(probs)
+    assert torch.equal(probs[0], _reference_process(logits[:1], params)[0]) and probs[1].tolist() == [0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46, 1e-8])
+def test_top_p_that_rounds_to_zero_keeps_the_top_token(top_p):
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
+    probs = process_logits(logits, SamplingParams(top_p=top_p))
+    _assert_distribution(probs)
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and (probs.max(-1).values == 1).all()
+
+
+def test_neg_inf_logits_stay_valid_everywhere():
+    logits = torch.full((2, 50), float("-inf"))
+    logits[0, [3, 17, 40]] = torch.tensor([1.0, 2.0, 0.5])
+    logits[1, 49] = -3.0  # one finite token
+    for kwargs in ({}, {"temperature": 2.0, "top_k": 10}, {"top_p": 0.3}, {"temperature": 1e-45, "top_p": 0.99}):
+        probs = process_logits(logits, SamplingParams(**kwargs))
+        _assert_distribution(probs)
+        assert (probs[logits == float("-inf")] == 0).all() and probs[1, 49] == 1

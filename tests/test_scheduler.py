@@ -1,10 +1,11 @@
 """Continuous batching without HTTP: batched rounds equal isolated runs (fp32 greedy), prefix caching,
-admission by free blocks, cancellation, and cache hygiene."""
+admission by current need, preemption, chunked prefill, cancellation, and cache hygiene."""
 
 import pytest
 
 from selfspec import Engine, SamplingParams, SpecConfig
 from selfspec.decoding.policy import SpecOverride
+from selfspec.errors import SelfspecError
 from selfspec.serving.scheduler import QueueFull, Scheduler, Submission
 
 SYSTEM = "You are a terse assistant. Answer in one short sentence, no more than twelve words. " * 3
@@ -68,45 +69,118 @@ def test_batched_requests_equal_isolated_runs(tiny_checkpoint):
     assert engine.cache.num_used_blocks == 0
 
 
-def test_admission_waits_for_blocks_and_never_overcommits(tiny_checkpoint):
-    engine = Engine.from_pretrained(str(tiny_checkpoint), kv_cache_tokens=96)  # 6 blocks of 16
-    sched = Scheduler(engine, max_batch_size=8, prefix_cache_fraction=0)
-    events = {}
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def tokens_of(events: list) -> list[int]:
+    return [t for ev in events for t in ev.token_ids]
+
+
+def test_preemption_keeps_outputs_identical_to_isolated_runs(tiny_checkpoint):
+    """A pool far smaller than the requests' worst cases: all are admitted by current need, the pool
+    runs out as they grow, the newest are preempted and recomputed, and every output (greedy, and a
+    seeded sampled one) equals its isolated run."""
+    engine = Engine.from_pretrained(str(tiny_checkpoint), kv_cache_tokens=160)  # 10 blocks of 16
+    prompts = [engine.encode(f"question {i}: " + "why " * (3 * i), chat=False) for i in range(4)]
+    params = [greedy(40), greedy(45), SamplingParams(temperature=0.9, seed=7, max_tokens=40), greedy(30)]
+    specs = [None, SpecConfig(2, 3), SpecConfig(2, 2), SpecConfig(drafter="lookup", num_speculative_tokens=3)]
+    expected = [engine.generate(p, pr, speculation=sp).token_ids for p, pr, sp in zip(prompts, params, specs)]
+    sched = Scheduler(engine, max_batch_size=8, prefix_cache_fraction=0.3)
+    events, peak = {}, 0
     subs = [
-        Submission(
-            engine.encode(f"q{i}", chat=False),
-            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-            collector(events, i),
-        )
-        for i in range(5)
+        Submission(p, pr, collector(events, i), speculation=sp)
+        for i, (p, pr, sp) in enumerate(zip(*[prompts, params, specs]))
     ]
-    for s in subs:
-        sched.submit(s)
+    for sub in subs:
+        sched.submit(sub)
     sched.iteration()
-    assert len(sched.running) == 2 and len(sched.waiting) == 3  # 3 blocks each in the worst case
-    peak = 0
+    assert len(sched.running) == 4  # worst cases (3-4 blocks each) would have admitted two
     while sched.running or sched.waiting:
         sched.iteration()
         peak = max(peak, engine.cache.num_used_blocks)
-    assert peak <= 6  # the cache's capacity: two requests of 3 worst-case blocks each
-    assert all(events[i][-1].finish_reason == "length" for i in range(5))
+    assert sched.preemptions > 0 and sum(s.preemptions for s in subs) == sched.preemptions
+    assert peak == engine.cache.num_blocks - 1  # the pool ran full, and nothing failed for it
+    for i in range(4):  # a seeded sampled row draws its own randomness only: batching does not change it
+        assert tokens_of(events[i]) == expected[i], f"request {i}"
+        assert events[i][-1].finish_reason == "length"
+    assert engine.cache.num_used_blocks == len(sched.prefix) <= sched.prefix.max_blocks
+
+
+def test_a_request_that_fits_is_not_held_behind_one_that_does_not(tiny_checkpoint):
+    engine = Engine.from_pretrained(str(tiny_checkpoint), kv_cache_tokens=96)  # 6 blocks
+    sched = Scheduler(engine, max_batch_size=8, prefix_cache_fraction=0)
+    events = {}
+    running = Submission(list(range(5, 45)), greedy(8), collector(events, "a"))  # 3 blocks with its round
+    big = Submission(list(range(5, 75)), greedy(4), collector(events, "big"))  # 5 blocks: waits for "a"
+    small = Submission([5, 6], greedy(4), collector(events, "small"))  # 1 block: fits beside "a"
+    sched.submit(running)
+    sched.iteration()
+    sched.submit(big)
+    sched.submit(small)
+    sched.iteration()
+    assert small in sched.running and big in sched.waiting
+    while sched.running or sched.waiting:
+        sched.iteration()
+    assert [events[k][-1].finish_reason for k in ("a", "big", "small")] == ["length"] * 3
     assert engine.cache.num_used_blocks == 0
 
 
-def test_request_too_big_for_the_cache_gets_an_error(tiny_checkpoint):
+def test_chunked_prefill_lets_running_streams_keep_their_pace(tiny_checkpoint):
+    engine = Engine.from_pretrained(str(tiny_checkpoint))
+    long_prompt = [5 + i % 200 for i in range(300)]
+    expected = engine.generate(long_prompt, greedy(6), speculation=None).token_ids
+    sched = Scheduler(engine, prefix_cache_fraction=0, prefill_budget=48)
+    events = {}
+    stream = Submission([7, 8, 9], greedy(60), collector(events, "stream"), speculation=SpecConfig(2, 3))
+    sched.submit(stream)
+    sched.iteration()  # prefilled
+    sched.iteration()  # its first token
+    late = Submission(long_prompt, greedy(6), collector(events, "late"))
+    sched.submit(late)
+    chunks = 0
+    while not late.req or not late.req.prefilled:
+        before = len(events["stream"])
+        filled = late.req.kv.length if late.req else 0
+        sched.iteration()
+        assert len(events["stream"]) == before + 1  # the stream got a round in every iteration
+        assert late.req.kv.length - filled <= 48 - 4 + 16  # the budget left by the stream's round (γ + 1)
+        chunks += 1
+    assert chunks >= 299 // 48
+    while sched.running:
+        sched.iteration()
+    assert tokens_of(events["late"]) == expected
+
+
+def test_requests_that_can_never_be_served_are_refused_at_submit(tiny_checkpoint):
+    engine = Engine.from_pretrained(str(tiny_checkpoint), kv_cache_tokens=48)
+    sched = Scheduler(engine, prefix_cache_fraction=0, max_request_tokens=30)
+    with pytest.raises(SelfspecError, match="shorten the prompt"):
+        sched.submit(Submission(list(range(5, 55)), greedy(4), print))
+    with pytest.raises(SelfspecError, match="cap of 30 tokens per request: lower max_tokens"):
+        sched.submit(Submission(list(range(5, 25)), greedy(11), print))
+    events = {}
+    run_all(sched, [Submission(list(range(5, 25)), greedy(10), collector(events, 0))], events)
+    assert len(tokens_of(events[0])) == 10
+
+
+def test_context_end_finishes_with_length(tiny_checkpoint):
+    """max_tokens beyond the context is not an error: the request stops where the context ends."""
     engine = Engine.from_pretrained(str(tiny_checkpoint), kv_cache_tokens=48)
     sched = Scheduler(engine, prefix_cache_fraction=0)
     events = {}
-    run_all(
-        sched,
-        [
-            Submission(
-                list(range(5, 45)), SamplingParams(max_tokens=100), collector(events, 0), speculation=SpecConfig(2, 8)
-            )
-        ],
-        events,
-    )
-    assert events[0][-1].error and "KV blocks" in events[0][-1].error and events[0][-1].status == 400
+    sub = Submission(list(range(5, 45)), SamplingParams(max_tokens=100, ignore_eos=True), collector(events, 0))
+    run_all(sched, [Submission(**{**sub.__dict__, "speculation": SpecConfig(2, 8)})], events)
+    assert events[0][-1].finish_reason == "length" and len(tokens_of(events[0])) == 48 - 40
+
+
+def test_prefix_cache_returns_to_its_bound_when_requests_finish(tiny_checkpoint):
+    engine = Engine.from_pretrained(str(tiny_checkpoint))
+    sched = Scheduler(engine, prefix_cache_fraction=0.01)  # a bound of a few blocks
+    events = {}
+    subs = [Submission([9 + i] + list(range(5, 100)), greedy(3), collector(events, i)) for i in range(4)]
+    run_all(sched, subs, events)
+    assert len(sched.prefix) <= sched.prefix.max_blocks
 
 
 def test_bounded_queue_and_cancellation(tiny_checkpoint):

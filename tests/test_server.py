@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from selfspec import Engine, SamplingParams
+from selfspec.serving.runner import make_server
 from selfspec.serving.server import create_app
 
 MODEL = "tiny"
@@ -23,12 +24,13 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine, **kw) -> None:
-        import uvicorn
+    """The app under the same uvicorn server `selfspec serve` runs, in a thread. `server` takes
+    make_server's options (timeouts); the rest go to create_app."""
 
+    def __init__(self, engine, server: dict | None = None, **kw) -> None:
         self.app = create_app(engine, served_model_name=MODEL, **kw)
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = make_server(self.app, port=self.port, log_level="error", **(server or {}))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         for _ in range(200):
@@ -181,13 +183,13 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -3}, "top_k"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, "n"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 600}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 10**7]}, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -1}, "seed"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "x"}, "model"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "speculative": {"draft_layers": 99}}, "speculative"),
@@ -256,6 +258,29 @@ def test_client_disconnect_mid_stream_frees_blocks(live):
     while live.scheduler.running:
         assert time.time() < deadline, "request kept running after the client left"
         time.sleep(0.02)
+    assert blocks_free_of_requests(live)
+
+
+def test_client_disconnect_while_waiting_cancels_a_non_streaming_request(live, engine, monkeypatch):
+    step = engine.step_batch
+
+    def slow_step(*args, **kw):  # 400 tokens now take >= 8 s: the client leaves long before
+        time.sleep(0.02)
+        return step(*args, **kw)
+
+    monkeypatch.setattr(engine, "step_batch", slow_step)
+    subs = []
+    submit = live.scheduler.submit
+    monkeypatch.setattr(live.scheduler, "submit", lambda sub: subs.append(sub) or submit(sub))
+    body = {"model": MODEL, "prompt": "wait for me", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live.url("/v1/completions"), json=body, timeout=httpx.Timeout(30, read=1.0))
+    (sub,) = subs
+    deadline = time.time() + 10
+    while sub in live.scheduler.running or sub in live.scheduler.waiting:
+        assert time.time() < deadline, "request kept running after the client left"
+        time.sleep(0.02)
+    assert sub.cancelled and len(sub.req.output_ids) < 400
     assert blocks_free_of_requests(live)
 
 

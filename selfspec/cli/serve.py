@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 from .common import ArgumentParser, add_model_args, engine_from_args, positive_int, run
 
 PROG = "selfspec serve"
+API_KEY_ENV = "SELFSPEC_API_KEY"
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def build_parser() -> ArgumentParser:
+    from selfspec.serving.limits import Limits
+    from selfspec.serving.runner import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT
+
     p = ArgumentParser(
         prog=PROG, description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."
     )
@@ -19,31 +36,124 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--served-model-name", help="the model id clients send (default: the --model argument)")
     p.add_argument("--max-batch-size", type=positive_int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429 (default 64)")
+    p.add_argument(
+        "--max-request-tokens",
+        type=positive_int,
+        help="cap on prompt + max_tokens of one request (default: none; the context length still applies)",
+    )
     p.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
+
+    g = p.add_argument_group("access")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, if set; else no auth)",
+    )
+    g.add_argument(
+        "--protect",
+        type=_names,
+        default=(),
+        metavar="health,metrics,docs",
+        help="also require the key on these (default: /health and /metrics stay open)",
+    )
+    g.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default: off)")
+
+    g = p.add_argument_group("request and connection limits")
+    g.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=Limits.max_body_bytes,
+        help=f"larger request bodies get 413 before they are read (default {Limits.max_body_bytes})",
+    )
+    g.add_argument(
+        "--max-messages",
+        type=positive_int,
+        default=Limits.max_messages,
+        help="chat messages per request (default 1024)",
+    )
+    g.add_argument(
+        "--max-message-chars",
+        type=positive_int,
+        help="characters in one chat message or completion prompt (default: 32 x the context length)",
+    )
+    g.add_argument(
+        "--max-n", type=positive_int, default=Limits.max_n, help="largest n (choices) per request (default 16)"
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+        help=f"seconds an idle keep-alive connection stays open (default {DEFAULT_KEEP_ALIVE_TIMEOUT:g})",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help=f"seconds a client may take to send a request's headers before it is disconnected "
+        f"(default {DEFAULT_HEADER_TIMEOUT:g})",
+    )
+    g.add_argument(
+        "--limit-concurrency",
+        type=positive_int,
+        help="open connections + requests in progress beyond which new requests get 503 (default: no limit)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they are cancelled; "
+        f"a second signal cancels them at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
     return p
 
 
 def _body(args) -> int:
-    import uvicorn
-
+    from selfspec.serving.auth import protected_paths
+    from selfspec.serving.runner import make_server
     from selfspec.serving.server import create_app
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: use 1..65535")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting {args.max_waiting}: use >= 0")
+    if args.protect and not args.api_key:
+        raise ValueError(f"--protect needs --api-key (or ${API_KEY_ENV})")
+    protected_paths(args.protect)  # a bad name fails now, not after loading the model
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: use seconds >= 0")
     engine = engine_from_args(args, profile=args.profile)
     app = create_app(
         engine,
         served_model_name=args.served_model_name or args.model,
         max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting,
+        max_request_tokens=args.max_request_tokens,
+        max_body_bytes=args.max_body_bytes,
+        max_messages=args.max_messages,
+        max_message_chars=args.max_message_chars,
+        max_n=args.max_n,
+        api_key=args.api_key,
+        protect=args.protect,
+        docs=args.docs,
     )
+    server = make_server(
+        app,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        header_timeout=args.header_timeout,
+        limit_concurrency=args.limit_concurrency,
+    )
+    auth = "API key required" if args.api_key else "no API key"
     print(
-        f"selfspec serving {args.served_model_name or args.model!r} on http://{args.host}:{args.port}/v1",
+        f"selfspec serving {args.served_model_name or args.model!r} on http://{args.host}:{args.port}/v1 ({auth})",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        server.run()
+    finally:
+        app.state.scheduler.stop()  # normally done at lifespan shutdown already; joins the thread either way
     return 0
 
 

@@ -68,20 +68,39 @@ def rejection_sample(
     `max_accepted` [B] (optional): a row with fewer real drafts is padded with q = 0 and capped, so
     that at its cap the residual max(0, p - 0) is p itself: the bonus distribution."""
     batch, gamma = draft_ids.shape
-    u = uniforms(batch, gamma + 1, generators)  # [B, γ + 1]: γ acceptance tests, then one sampling draw
+    u, u_final = _draws(batch, gamma, generators, max_accepted)  # [B, γ] acceptance tests, [B] the sampling draw
     if gamma == 0:  # plain rows only: sample from p
-        return AcceptanceResult(inverse_cdf(target_probs[:, 0], u[:, 0])[:, None], torch.zeros(batch, dtype=torch.long))
+        return AcceptanceResult(inverse_cdf(target_probs[:, 0], u_final)[:, None], torch.zeros(batch, dtype=torch.long))
     p = target_probs[:, :gamma].gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ] p_i(d_i)
     q = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ] q_i(d_i) > 0: d_i was drawn from q_i
-    num_accepted = _capped(_first_rejection(u[:, :gamma] * q < p), max_accepted)  # u < p / q, undivided
+    num_accepted = _capped(_first_rejection(u * q < p), max_accepted)  # u < p / q, undivided
     rows = torch.arange(batch)
     p_k = target_probs[rows, num_accepted]  # [B, vocab] target at the first rejection (or the bonus position)
     q_k = draft_probs[rows, num_accepted.clamp(max=gamma - 1)]  # [B, vocab]
     residual = (p_k - q_k).clamp_min(0)  # [B, vocab]
     mass = residual.sum(-1, keepdim=True)  # [B, 1]
     recover = (num_accepted < gamma)[:, None] & (mass > RESIDUAL_EPS)  # [B, 1]; else sample from p itself
-    final = inverse_cdf(torch.where(recover, residual, p_k), u[:, gamma])  # [B] recovered or bonus token
+    final = inverse_cdf(torch.where(recover, residual, p_k), u_final)  # [B] recovered or bonus token
     positions = torch.arange(gamma + 1)[None, :]  # [1, γ + 1]
     out = torch.where(positions < num_accepted[:, None], F.pad(draft_ids, (0, 1)), PLACEHOLDER)  # [B, γ + 1]
     out[rows, num_accepted] = final
     return AcceptanceResult(out, num_accepted)
+
+
+def _draws(
+    batch: int,
+    gamma: int,
+    generators: torch.Generator | Sequence[torch.Generator | None] | None,
+    max_accepted: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (u [B, γ], u_final [B]). With one generator per row, a row draws only its own γ_b + 1
+    numbers (γ_b tests, then the sampling draw), so a seeded request samples the same tokens alone or
+    in any batch; padded tests past γ_b are 1 (never accepted, and capped anyway)."""
+    if generators is None or isinstance(generators, torch.Generator) or max_accepted is None:
+        u = uniforms(batch, gamma + 1, generators)  # [B, γ + 1]
+        return u[:, :gamma], u[:, gamma]
+    u, u_final = torch.ones(batch, gamma), torch.empty(batch)
+    for b, cap in enumerate(max_accepted.tolist()):
+        r = uniforms(1, cap + 1, [generators[b]])[0]  # [γ_b + 1]
+        u[b, :cap], u_final[b] = r[:cap], r[cap]
+    return u, u_final

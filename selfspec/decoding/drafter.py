@@ -96,9 +96,9 @@ def autoregress(
 ) -> Run:
     """Drafts token by token with layers [0, end) of `model` on the shared cache (writing the K/V of
     the draft positions there): each pass feeds every active row its newest token, `logits(h, batch)`
-    maps the layer-`end` states [A, 1, hidden] to draft logits [A, vocab]. A row stops at its γ_b
-    (`gammas`, default the step's) or, with a confidence threshold, once its top draft probability
-    falls below it."""
+    maps the layer-`end` states [A, 1, hidden] to draft logits [A, vocab], penalized (when the step's rows
+    penalize) with each row's history and its drafts so far. A row stops at its γ_b (`gammas`, default
+    the step's) or, with a confidence threshold, once its top draft probability falls below it."""
     gammas = step.gammas if gammas is None else gammas
     rows = len(step.seqs)
     run = Run([[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)])
@@ -108,6 +108,8 @@ def autoregress(
         batch = cache.prepare([step.seqs[b] for b in active], [1] * len(active))
         h = model.forward(x, cache, batch=batch, end=end)  # [A, 1, hidden] at layer `end`
         lg = logits(h, batch)  # [A, vocab]
+        if step.penalties is not None:  # q is processed as the target's p will be: over its own running history
+            lg = step.penalties.step(lg, active, [run.tokens[b] for b in active])
         ids, q = sample_rows(lg, [step.params[b] for b in active], [step.generators[b] for b in active])
         top = _top_prob(lg, q) if step.confidence_threshold > 0 else None
         still = []

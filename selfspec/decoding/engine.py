@@ -239,13 +239,14 @@ class Engine:
             drafter=drafter,
             confidence_threshold=max(r.confidence_threshold for r in reqs),
             history=[r.prompt_ids + r.output_ids for r in reqs],
+            prompt_lens=[len(r.prompt_ids) for r in reqs],
         )
         start = time.perf_counter()
         result = run_round(self.model, self.cache, step)
         elapsed = time.perf_counter() - start
         outputs = []
         for row, req in enumerate(reqs):
-            outputs.append(req.append(result.tokens[row]))
+            outputs.append(req.append(result.tokens[row], result.logprobs[row] if result.logprobs else None))
             req.stats.record_step(result, row, elapsed, alone=drafter is None)
         return outputs
 
@@ -270,7 +271,8 @@ class Engine:
                 for i, (token, text) in enumerate(zip(out.token_ids, out.texts)):
                     last = i == len(out.token_ids) - 1
                     reason = req.finish_reason if last else None
-                    yield GenerationChunk(token, text, reason, snapshot(req.stats))
+                    logprob = out.logprobs[i] if out.logprobs is not None else None
+                    yield GenerationChunk(token, text, reason, snapshot(req.stats), logprob)
         finally:
             self.release(req)
 
@@ -283,18 +285,26 @@ class Engine:
         chat: bool = True,
         category: str | None = None,
     ) -> GenerationResult:
-        text, ids, reason, stats = [], [], "length", DecodeStats()
+        text, ids, reason, stats, logprobs = [], [], "length", DecodeStats(), []
         for chunk in self.stream_generate(prompt, params, speculation=speculation, chat=chat, category=category):
             text.append(chunk.text)
             ids.append(chunk.token_id)
+            logprobs.append(chunk.logprob)
             reason, stats = chunk.finish_reason or reason, chunk.stats
-        return GenerationResult("".join(text), ids, reason, stats)
+        asked = params is not None and params.logprobs is not None
+        return GenerationResult("".join(text), ids, reason, stats, logprobs if asked else None)
 
     # ---- pieces the scheduler drives --------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, req: Request) -> None:
-        """Runs the prompt (all but its last token, minus any prefix already cached) into the cache."""
+    def prefill(self, req: Request, max_tokens: int | None = None) -> int:
+        """Runs the request's tokens (all but the last, minus what its cache already holds: a cached
+        prefix, earlier chunks) into the cache, at most `max_tokens` of them -> tokens run. After a
+        preemption the tokens include its output so far, which is recomputed, not changed."""
+        todo = (req.prompt_ids + req.output_ids)[req.kv.length : -1]
+        if max_tokens is not None:
+            todo = todo[:max_tokens]
         start = time.perf_counter()
-        self.model.prefill(self.cache, req.kv, req.prompt_ids[req.kv.length : -1], PREFILL_CHUNK)
-        req.stats.prefill_seconds = time.perf_counter() - start
-        req.prefilled = True
+        self.model.prefill(self.cache, req.kv, todo, PREFILL_CHUNK)
+        req.stats.prefill_seconds += time.perf_counter() - start
+        req.prefilled = req.kv.length == len(req.prompt_ids) + len(req.output_ids) - 1
+        return len(todo)

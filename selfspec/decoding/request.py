@@ -10,7 +10,7 @@ import torch
 from ..model.cache import SequenceKV
 from .detokenizer import TextStream
 from .round import SpecConfig
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .stats import DecodeStats
 
 
@@ -18,6 +18,7 @@ from .stats import DecodeStats
 class StepOutput:
     token_ids: list[int]
     texts: list[str]  # text delta per token
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for logprobs
 
 
 @dataclass
@@ -26,6 +27,7 @@ class GenerationChunk:
     text: str  # text this token made visible (may be empty, e.g. mid UTF-8 character)
     finish_reason: str | None  # None while running, then "stop" or "length"
     stats: DecodeStats
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -34,14 +36,18 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: DecodeStats
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for logprobs
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token_id": t.token_id, "logprob": t.logprob, "top": t.top} for t in self.logprobs]
+        return out
 
 
 @dataclass
@@ -73,11 +79,12 @@ class Request:
         """Tokens the request may still emit."""
         return self.max_length - len(self.prompt_ids) - len(self.output_ids)
 
-    def append(self, tokens: list[int]) -> StepOutput:
-        """Appends sampled tokens until one finishes the request; returns those kept with their text."""
-        out = StepOutput([], [])
+    def append(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> StepOutput:
+        """Appends sampled tokens until one finishes the request; returns those kept with their text
+        (and their `logprobs`, one per token of `tokens`, when given)."""
+        out = StepOutput([], [], None if logprobs is None else [])
         p = self.params
-        for token in tokens:
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
             self.stats.generated_tokens += 1
             text = self.text.push(token)
@@ -89,6 +96,8 @@ class Request:
                 text += self.text.flush()
             out.token_ids.append(token)
             out.texts.append(text)
+            if logprobs is not None:
+                out.logprobs.append(logprobs[i])
             if self.finished:
                 break
         return out

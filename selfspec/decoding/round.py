@@ -17,7 +17,7 @@ from ..model.cache import PagedKVCache, SequenceKV
 from ..model.decoder import DecoderModel
 from .acceptance import AcceptanceResult, greedy_accept, rejection_sample
 from .drafter import Drafter
-from .sampling import SamplingParams, process_rows, sample_rows
+from .sampling import Penalties, SamplingParams, TokenLogprob, process_rows, sample_rows, token_logprobs
 
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -82,10 +82,14 @@ class RoundInput:
     gammas: list[int] | None = None  # [B] draft tokens per row at most (0: a plain row); None: all 0
     drafter: Drafter | None = None  # None: a plain round
     confidence_threshold: float = 0.0  # > 0: a row stops drafting once its top draft probability falls below
-    history: list[list[int]] | None = None  # [B] each row's tokens so far, ending with `last` (lookup reads it)
+    history: list[list[int]] | None = None  # [B] each row's tokens so far, ending with `last` (lookup, penalties)
+    prompt_lens: list[int] | None = None  # [B] history's prompt tokens; the rest were generated (penalties)
+    penalties: Penalties | None = None  # built from params, history, prompt_lens; stays None where none penalize
 
     def __post_init__(self) -> None:
         self.gammas = [0] * len(self.seqs) if self.gammas is None else list(self.gammas)
+        if self.penalties is None:
+            self.penalties = Penalties.of(self.params, self.history, self.prompt_lens)
 
 
 @dataclass
@@ -95,6 +99,7 @@ class RoundResult:
     drafted: list[int]  # per row: draft tokens (γ, or fewer: length cap, adaptive stop, plain rows)
     draft_seconds: float = 0.0  # the sequential draft steps
     verify_seconds: float = 0.0  # the rest: verification, acceptance, rollback
+    logprobs: list[list[TokenLogprob] | None] | None = None  # per row asking for them: one per emitted token
 
 
 def run_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
@@ -106,9 +111,12 @@ def run_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Rou
 
 def plain_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
     h = model.forward(torch.tensor(step.last)[:, None], cache, step.seqs)  # [B, 1, hidden]
-    ids, _ = sample_rows(model.logits(h[:, -1]), step.params, step.generators)  # [B]
+    logits = model.logits(h[:, -1])  # [B, vocab] raw: logprobs are taken from these
     rows = len(step.seqs)
-    return RoundResult([[int(t)] for t in ids], [0] * rows, [0] * rows)
+    judged = logits if step.penalties is None else step.penalties.step(logits, list(range(rows)), [[]] * rows)
+    ids, _ = sample_rows(judged, step.params, step.generators)  # [B]
+    tokens = [[int(t)] for t in ids]
+    return RoundResult(tokens, [0] * rows, [0] * rows, logprobs=_logprobs(logits[:, None], tokens, step.params))
 
 
 def speculative_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
@@ -123,15 +131,29 @@ def speculative_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput
     # Verification: inputs [last, d_1 .. d_γ] at positions p0 .. p0 + γ. The logits at index i are the
     # target's distribution for position p0 + i + 1: they judge draft d_{i+1}; index γ gives the bonus.
     h = model.forward(x, cache, step.seqs, start=draft.resume, counts=counts, starts=p0)  # [B, γ_max + 1, hidden]
-    target_logits = model.logits(h)  # [B, γ_max + 1, vocab]
-    result = _accept(draft.tokens, draft.probs, target_logits, step.params, step.generators)
+    target_logits = model.logits(h)  # [B, γ_max + 1, vocab] raw: logprobs are taken from these
+    judged = target_logits if step.penalties is None else step.penalties.verify(target_logits, draft.tokens)
+    result = _accept(draft.tokens, draft.probs, judged, step.params, step.generators)
     for b, seq in enumerate(step.seqs):
         cache.truncate(seq, p0[b] + int(result.num_accepted[b]) + 1)  # rollback = a length edit
     tokens = [result.tokens(b) for b in range(len(step.seqs))]
     drafted_per_row = [len(d) for d in draft.tokens]
-    return RoundResult(
-        tokens, result.num_accepted.tolist(), drafted_per_row, drafted - start, time.perf_counter() - drafted
-    )
+    logprobs = _logprobs(target_logits, tokens, step.params)
+    seconds = time.perf_counter() - drafted
+    return RoundResult(tokens, result.num_accepted.tolist(), drafted_per_row, drafted - start, seconds, logprobs)
+
+
+def _logprobs(
+    logits: torch.Tensor, tokens: list[list[int]], params: list[SamplingParams]
+) -> list[list[TokenLogprob] | None] | None:
+    """Raw target logits [B, W, vocab]; tokens emitted per row (token i at position i) -> per row asking
+    for them, the tokens' log-probabilities; None when no row asks (nothing computed)."""
+    if all(p.logprobs is None for p in params):
+        return None
+    return [
+        None if p.logprobs is None else token_logprobs(logits[b, : len(t)], t, p.logprobs)
+        for b, (t, p) in enumerate(zip(tokens, params))
+    ]
 
 
 def _token_inputs(last: list[int], drafts: list[list[int]]) -> torch.Tensor:

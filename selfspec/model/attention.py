@@ -25,6 +25,9 @@ class AttentionBatch:
     first_blocks: list[int | None] | None = None
     # [B][num_tokens[b]] `positions` as Python ints, so that the per-query loop reads no tensor.
     query_positions: list[list[int]] | None = None
+    # False for prompt prefill: its rows need not match a one-query step bit for bit, so the pass is one
+    # masked SDPA call however few its queries (about 3x faster than a call per query at long context).
+    exact: bool = True
     _masks: dict = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
@@ -85,10 +88,10 @@ def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBat
     A pass of a few queries (decoding, verification, a batch of steps) attends each query on its own,
     over exactly the keys it may see and without a mask: SDPA's inner matmuls round a query's row
     differently when other rows (or masked keys) share the call, and verification must compute each
-    position to the same bits as the plain step that would have computed it alone. A long pass (a
-    prompt) is one masked call."""
+    position to the same bits as the plain step that would have computed it alone. A long pass, or a
+    prompt's (`batch.exact` False), is one masked call."""
     b, _, s, _ = q.shape
-    if b * s > ROW_EXACT_QUERIES:
+    if b * s > ROW_EXACT_QUERIES or (s > 1 and not batch.exact):
         kv = gather_kv(layer_kv, batch)
         return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)
     if b == 1:

@@ -107,6 +107,15 @@ class PagedKVCache:
         del seq.block_table[keep:]
         seq.length = length
 
+    def growth(self, seq: SequenceKV, start: int, num_tokens: int) -> int:
+        """Blocks that making positions [start, start + num_tokens) writable would take from the pool."""
+        return max(self.blocks_needed(start + num_tokens) - len(seq.block_table), 0) + len(self._shared(seq, start))
+
+    def _shared(self, seq: SequenceKV, start: int) -> list[int]:
+        """Indices of `seq`'s blocks from position `start` on that others share (a write copies them)."""
+        table = seq.block_table
+        return [i for i in range(start // self.block_size, len(table)) if self.refcount[table[i]] > 1]
+
     def reserve(self, seq: SequenceKV, start: int, num_tokens: int) -> None:
         """Makes positions [start, start + num_tokens) writable for `seq`, allocating blocks and
         copying a shared block before it is written (copy-on-write)."""
@@ -114,9 +123,7 @@ class PagedKVCache:
             raise ValueError(f"write at {start} would leave a gap: sequence holds {seq.length} positions")
         end = start + num_tokens
         new_blocks = self.blocks_needed(end) - len(seq.block_table)
-        shared = [
-            i for i in range(start // self.block_size, len(seq.block_table)) if self.refcount[seq.block_table[i]] > 1
-        ]
+        shared = self._shared(seq, start)
         if new_blocks + len(shared) > len(self._free):
             raise CacheFullError(
                 f"KV cache full: {new_blocks + len(shared)} more blocks of {self.block_size} tokens needed, "

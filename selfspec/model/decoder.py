@@ -125,7 +125,10 @@ class DecoderModel:
         """Appends `tokens` to `seq`'s cache through all layers, `chunk` tokens per pass (which bounds the
         [S, T] attention scores); computes no logits."""
         for i in range(0, len(tokens), chunk):
-            self.forward(torch.tensor([tokens[i : i + chunk]]), cache, [seq])
+            part = tokens[i : i + chunk]
+            batch = cache.prepare([seq], [len(part)])
+            batch.exact = False
+            self.forward(torch.tensor([part]), cache, batch=batch)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""

@@ -1,6 +1,5 @@
-"""The scheduler's cache manager: the KV blocks a request needs to be admitted, granted whole or not
-at all. A request's worst case (prompt + max_tokens + one round's lookahead) must fit beside what
-running requests may still take, so a running request never runs out of cache; a cached prompt
+"""The scheduler's cache manager: the KV blocks a request needs to be admitted (its tokens and its first
+round), granted whole or not at all, beside what running requests will take soon; a cached prompt
 prefix counts as already held, and cached prefixes nobody uses are evicted to make room."""
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ class BlockManager:
 
     def allocate(self, seq: SequenceKV, prompt: list[int], needed: int, reserved: int) -> bool:
         """Grants an empty sequence room for `needed` blocks, starting it on the cached blocks of its
-        prompt's longest cached prefix. `reserved`: blocks running requests may still take.
+        prompt's longest cached prefix. `reserved`: blocks running requests will take soon.
         -> True (seq holds the cached prefix; the rest is guaranteed free) or False (nothing changed)."""
         cached = self.prefix.match(prompt) if self.prefix is not None else []
         self.cache.share(cached)  # hold the matched blocks so that eviction below cannot free them

@@ -44,6 +44,9 @@ class Metrics:
         self.latency = Histogram(
             "selfspec_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.preemptions = Counter(
+            "selfspec_num_preemptions", "Running requests preempted to free KV blocks (recomputed later)", registry=r
+        )
         self.running = Gauge("selfspec_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("selfspec_num_requests_waiting", "Requests queued", registry=r)
         self.blocks_used = Gauge("selfspec_kv_cache_blocks_used", "KV cache blocks in use", registry=r)

@@ -55,6 +55,11 @@ class PrefixCache:
                 self._blocks[key] = block
                 self.cache.share([block])
         self._touch(keys)
+        self.trim()
+
+    def trim(self) -> None:
+        """Evicts down to the size bound, as far as blocks nobody else holds allow (blocks running
+        sequences still hold can only go once they are released: call this again then)."""
         while len(self._blocks) > self.max_blocks and self._evict_one():
             pass
 

@@ -1,7 +1,14 @@
 """Continuous batching: one speculative round is the scheduling unit; requests join and leave
-between rounds. Admission is by free KV blocks, counting every running request's worst case, so a
-running request never runs out of cache and none is ever evicted; what does not fit waits, and a
-bounded queue pushes back on clients beyond that. Full prompt blocks go into a prefix cache."""
+between rounds.
+
+Admission is by current need (the vLLM model): a request is admitted when its prompt and one round's
+lookahead fit beside what the running requests need for their next round, and a request that fits is
+never held behind one that does not. Blocks are taken as requests grow. When the pool runs out, the
+most recently admitted request is preempted: its full blocks go to the prefix cache, the rest are
+freed, and it waits at the head of the queue to be recomputed later; its output so far is kept, and
+recomputation continues it exactly where it was. Prompts are prefilled in chunks under a per-iteration
+token budget, between decode rounds, so running streams keep their pace while a long prompt comes in.
+A bounded queue pushes back on clients beyond all that."""
 
 from __future__ import annotations
 
@@ -15,11 +22,18 @@ from typing import Callable
 from ..decoding.engine import Engine
 from ..decoding.policy import Speculation
 from ..decoding.request import Request
-from ..decoding.sampling import SamplingParams
+from ..decoding.sampling import SamplingParams, TokenLogprob
 from ..decoding.stats import DecodeStats
 from ..errors import SelfspecError
 from .blocks import BlockManager
 from .prefix_cache import PrefixCache
+
+# While requests are decoding, an iteration runs their round and then prefill chunks of at most
+# PREFILL_BUDGET tokens in all (less the decode rows' tokens) and about PREFILL_SECONDS of work, so a
+# stream's gap between two rounds stays near one round + PREFILL_SECONDS however long a new prompt is.
+PREFILL_BUDGET = 256
+PREFILL_SECONDS = 0.25
+FIRST_CHUNK = 64  # before a request's prefill rate is known
 
 
 class QueueFull(SelfspecError):
@@ -36,6 +50,7 @@ class Event:
     stats: DecodeStats | None = None  # set on the last event
     error: str | None = None
     status: int = 200  # with an error: 400 for what the request asked, 500 for a failure of ours
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked for them
 
 
 @dataclass
@@ -47,9 +62,10 @@ class Submission:
     category: str | None = None
     id: str = ""
     arrival: float = field(default_factory=time.perf_counter)
-    req: Request | None = None  # created once, when the request first reaches the head of the queue
+    req: Request | None = None  # created once, when the request is first considered for admission
     cancelled: bool = False
-    blocks_needed: int = 0  # its worst case: prompt + max_tokens + one round's lookahead
+    preemptions: int = 0
+    prefill_rate: float | None = None  # prompt tokens per second of its last prefill chunk
 
 
 class Scheduler:
@@ -60,20 +76,32 @@ class Scheduler:
         max_batch_size: int = 16,
         max_waiting: int = 64,
         prefix_cache_fraction: float = 0.25,
+        prefill_budget: int = PREFILL_BUDGET,
+        prefill_seconds: float = PREFILL_SECONDS,
+        max_request_tokens: int | None = None,
         metrics=None,
     ) -> None:
-        if max_batch_size < 1 or max_waiting < 0:
-            raise ValueError(f"max_batch_size={max_batch_size}, max_waiting={max_waiting}: use >= 1 and >= 0")
+        if max_batch_size < 1 or max_waiting < 0 or prefill_budget < 1:
+            raise ValueError(
+                f"max_batch_size={max_batch_size}, max_waiting={max_waiting}, prefill_budget={prefill_budget}: "
+                "use >= 1, >= 0 and >= 1"
+            )
+        if max_request_tokens is not None and max_request_tokens < 2:
+            raise ValueError(f"max_request_tokens={max_request_tokens}: use >= 2 (or None for no cap)")
         self.engine = engine
         self.cache = engine.cache
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
+        self.prefill_budget = prefill_budget
+        self.prefill_seconds = prefill_seconds
+        self.max_request_tokens = max_request_tokens
         size = int(prefix_cache_fraction * self.cache.num_blocks)
         self.prefix = PrefixCache(self.cache, size) if prefix_cache_fraction > 0 else None
         self.blocks = BlockManager(self.cache, self.prefix)
         self.metrics = metrics
         self.waiting: deque[Submission] = deque()
-        self.running: list[Submission] = []
+        self.running: list[Submission] = []  # in admission order: the last one is preempted first
+        self.preemptions = 0
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -82,12 +110,19 @@ class Scheduler:
     # ---- client side (any thread) -----------------------------------------------------------------
     def submit(self, sub: Submission) -> Submission:
         """Queues a request; raises QueueFull when the queue is at its bound, SelfspecError when the
-        request can never fit the cache."""
+        request can never be served (its prompt exceeds the context, or it asks for more tokens than
+        the per-request cap)."""
         sub.id = sub.id or f"req-{next(self._ids)}"
         total = self.engine.max_model_len
         if len(sub.prompt_ids) >= total:
             raise SelfspecError(
                 f"prompt has {len(sub.prompt_ids)} tokens but the context holds {total}: shorten the prompt"
+            )
+        cap, asked = self.max_request_tokens, len(sub.prompt_ids) + sub.params.max_tokens
+        if cap is not None and asked > cap:
+            raise SelfspecError(
+                f"prompt ({len(sub.prompt_ids)} tokens) + max_tokens ({sub.params.max_tokens}) = {asked} exceeds "
+                f"this server's cap of {cap} tokens per request: lower max_tokens or shorten the prompt"
             )
         with self._lock:
             if len(self.waiting) >= self.max_waiting:
@@ -132,68 +167,139 @@ class Scheduler:
                     self._finish(sub, error=f"internal error: {e!r}", status=500)
 
     def iteration(self) -> None:
-        """Drop cancelled requests, admit what fits, run one round for everything running."""
+        """Drop cancelled requests, admit what fits, plan the iteration (preempting while the pool is
+        short), then run one round for the decoding requests and prefill chunks for the others."""
         self._drop_cancelled()
         self._admit()
+        plan = self._plan()
+        while not self._fits(plan):
+            self._preempt(self.running[-1])
+            plan = self._plan()
         if self.metrics:
             self.metrics.observe_load(self)
-        if not self.running:
-            return
-        batch = list(self.running)
+        decoding = [s for s in self.running if s.req.prefilled]
+        if decoding:
+            self._decode(decoding)
+        for sub in [s for s in self.running if not s.req.prefilled]:
+            start = time.perf_counter()
+            if self.engine.prefill(sub.req, plan[id(sub)]):
+                sub.prefill_rate = plan[id(sub)] / (time.perf_counter() - start)
+            if sub.req.prefilled:
+                self.blocks.remember(_tokens(sub.req)[:-1], sub.req.kv)
+        if self.prefix is not None:
+            self.prefix.trim()  # blocks that finished requests released may leave it over its bound
+
+    def _decode(self, batch: list[Submission]) -> None:
         speculate = self.engine.policy.allows_batch(len(batch))
         outputs = self.engine.step_batch([s.req for s in batch], speculate=speculate)
         now = time.perf_counter()
         for sub, out in zip(batch, outputs):
             if self.metrics:
                 self.metrics.observe_tokens(sub, len(out.token_ids), now)
-            if sub.req.finished:
-                sub.emit(Event(out.token_ids, "".join(out.texts), sub.req.finish_reason, sub.req.stats))
+            req = sub.req
+            event = Event(out.token_ids, "".join(out.texts), req.finish_reason, logprobs=out.logprobs)
+            if req.finished:
+                event.stats = req.stats
+            sub.emit(event)
+            if req.finished:
                 self._finish(sub)
-            else:
-                sub.emit(Event(out.token_ids, "".join(out.texts)))
+
+    # ---- admission, planning and preemption -------------------------------------------------------
+    def _plan(self) -> dict[int, int]:
+        """id(submission) -> positions it writes this iteration: a decoding request its input + γ
+        drafts; prefilling requests, oldest first, chunks of what the token budget leaves after the
+        decode rows (at least a block's worth, so prompts progress under any decode load)."""
+        plan = {id(s): self._lookahead(s) for s in self.running if s.req.prefilled}
+        if not plan:  # nobody is streaming: prefill at full speed
+            return {id(s): _unfilled(s.req) for s in self.running}
+        budget = max(self.prefill_budget - sum(plan.values()), self.cache.block_size)
+        for sub in self.running:
+            if not sub.req.prefilled:
+                plan[id(sub)] = min(budget, _unfilled(sub.req), self._chunk(sub))
+                budget -= plan[id(sub)]
+        return plan
+
+    def _chunk(self, sub: Submission) -> int:
+        """Prefill tokens that fit `prefill_seconds` at the rate of this request's last chunk: a chunk
+        costs more the deeper it lies in the context (attention reads every earlier token)."""
+        if sub.prefill_rate is None:
+            return FIRST_CHUNK
+        return max(int(sub.prefill_rate * self.prefill_seconds), self.cache.block_size)
+
+    def _fits(self, plan: dict[int, int]) -> bool:
+        """Whether the pool (after evicting unused cached prefixes, if need be) holds the planned writes."""
+        need = sum(self.cache.growth(s.req.kv, s.req.kv.length, plan[id(s)]) for s in self.running)
+        short = need - self.cache.num_free_blocks
+        if short > 0 and self.prefix is not None:
+            short -= self.prefix.evict(short)
+        return short <= 0
+
+    def _lookahead(self, sub: Submission) -> int:
+        """Positions a decoding request may write in one round (its input + γ drafts), within its length."""
+        config, req = sub.req.spec_config, sub.req
+        return min((config.num_speculative_tokens if config else 0) + 1, req.max_length - req.kv.length)
+
+    def _reserved(self) -> int:
+        """Blocks the running requests will take soon: the rest of a prompt and one round, or one round."""
+        total = 0
+        for sub in self.running:
+            req = sub.req
+            todo = self._lookahead(sub) if req.prefilled else _unfilled(req) + 1
+            total += self.cache.growth(req.kv, req.kv.length, todo)
+        return total
+
+    def _admit(self) -> None:
+        """Admits waiting requests in arrival order, skipping one that does not fit now for a later one
+        that does. A request needs blocks for its tokens (minus a cached prefix) and its first round."""
+        with self._lock:
+            queue = list(self.waiting)
+        for sub in queue:
+            if len(self.running) >= self.max_batch_size:
+                return
+            if sub.req is None and not self._create(sub):
+                continue
+            tokens = _tokens(sub.req)[:-1]
+            needed = self.cache.blocks_needed(len(tokens) + self._lookahead(sub))
+            if self.blocks.allocate(sub.req.kv, tokens, needed, self._reserved()):
+                self._pop(sub)
+                self.running.append(sub)
+
+    def _create(self, sub: Submission) -> bool:
+        """Decides and validates a request once -> False (and a 400 event) when it is invalid."""
+        try:
+            sub.req = self.engine.add_request(sub.prompt_ids, sub.params, sub.speculation, category=sub.category)
+        except (SelfspecError, ValueError) as e:
+            self._pop(sub)
+            sub.emit(Event([], "", "error", error=str(e), status=400))
+            return False
+        return True
+
+    def _preempt(self, sub: Submission) -> None:
+        """Frees a running request's blocks (its full ones stay findable in the prefix cache) and puts it
+        back at the head of the queue; its output so far is kept and will be recomputed, not redone."""
+        req = sub.req
+        self.blocks.remember(_tokens(req)[: req.kv.length], req.kv)
+        self.engine.release(req)
+        req.prefilled = False
+        self.running.remove(sub)
+        sub.preemptions += 1
+        self.preemptions += 1
+        if self.metrics:
+            self.metrics.preemptions.inc()
+        with self._lock:
+            self.waiting.appendleft(sub)
 
     # ---- internals --------------------------------------------------------------------------------
     def _drop_cancelled(self) -> None:
         with self._lock:
-            for sub in [s for s in self.waiting if s.cancelled]:
+            gone = [s for s in self.waiting if s.cancelled]
+            for sub in gone:
                 self.waiting.remove(sub)
+        for sub in gone:
+            if sub.req is not None:  # a preempted request already holds no blocks
+                self.engine.release(sub.req)
         for sub in [s for s in self.running if s.cancelled]:
             self._finish(sub, error="cancelled")
-
-    def _reserved(self) -> int:
-        """Blocks running requests may still take before they finish."""
-        return sum(max(0, s.blocks_needed - len(s.req.kv.block_table)) for s in self.running)
-
-    def _admit(self) -> None:
-        while len(self.running) < self.max_batch_size:
-            with self._lock:
-                if not self.waiting:
-                    return
-                sub = self.waiting[0]
-            if sub.req is None:  # first time at the head of the queue: decide and validate once
-                try:
-                    sub.req = self.engine.add_request(
-                        sub.prompt_ids, sub.params, sub.speculation, category=sub.category
-                    )
-                except (SelfspecError, ValueError) as e:
-                    self._pop(sub)
-                    sub.emit(Event([], "", "error", error=str(e), status=400))
-                    continue
-                config = sub.req.spec_config
-                lookahead = (config.num_speculative_tokens if config else 0) + 1
-                sub.blocks_needed = self.cache.blocks_needed(sub.req.max_length + lookahead)
-            if not self.blocks.allocate(sub.req.kv, sub.prompt_ids[:-1], sub.blocks_needed, self._reserved()):
-                if self.running:
-                    return  # wait for running requests to finish
-                self._pop(sub)  # nothing will ever free more: this request cannot fit at all
-                have = self.cache.num_blocks - 1
-                error = f"request needs {sub.blocks_needed} KV blocks, the cache has {have}: lower max_tokens"
-                sub.emit(Event([], "", "error", error=error, status=400))
-                continue
-            self._pop(sub)
-            self.engine.prefill(sub.req)
-            self.blocks.remember(sub.prompt_ids[:-1], sub.req.kv)
-            self.running.append(sub)
 
     def _pop(self, sub: Submission) -> None:
         with self._lock:
@@ -208,3 +314,13 @@ class Scheduler:
             sub.emit(Event([], "", "error", sub.req.stats if sub.req else None, error, status))
         if self.metrics and sub.req is not None:
             self.metrics.observe_finish(sub)
+
+
+def _tokens(req: Request) -> list[int]:
+    """Everything a request's cache will hold, and then its last token (the next round's input)."""
+    return req.prompt_ids + req.output_ids
+
+
+def _unfilled(req: Request) -> int:
+    """Tokens still to prefill: all but the last, minus what the cache holds."""
+    return len(req.prompt_ids) + len(req.output_ids) - 1 - req.kv.length
