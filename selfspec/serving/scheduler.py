@@ -31,8 +31,12 @@ from .prefix_cache import PrefixCache
 # While requests are decoding, an iteration runs their round and then prefill chunks of at most
 # PREFILL_BUDGET tokens in all (less the decode rows' tokens) and about PREFILL_SECONDS of work, so a
 # stream's gap between two rounds stays near one round + PREFILL_SECONDS however long a new prompt is.
+# (Sizing chunks to fill a fixed iteration time instead measured worse: decode rounds vary, and a slow
+# one after a long chunk made the largest gap.) With nothing decoding, chunks of IDLE_PREFILL_SECONDS
+# keep prefill efficient while a request that arrives meanwhile still gets in within about that.
 PREFILL_BUDGET = 256
 PREFILL_SECONDS = 0.25
+IDLE_PREFILL_SECONDS = 2.0
 FIRST_CHUNK = 64  # before a request's prefill rate is known
 
 
@@ -210,21 +214,21 @@ class Scheduler:
         drafts; prefilling requests, oldest first, chunks of what the token budget leaves after the
         decode rows (at least a block's worth, so prompts progress under any decode load)."""
         plan = {id(s): self._lookahead(s) for s in self.running if s.req.prefilled}
-        if not plan:  # nobody is streaming: prefill at full speed
-            return {id(s): _unfilled(s.req) for s in self.running}
+        idle = not plan  # nobody is streaming: larger chunks, no token budget
         budget = max(self.prefill_budget - sum(plan.values()), self.cache.block_size)
         for sub in self.running:
             if not sub.req.prefilled:
-                plan[id(sub)] = min(budget, _unfilled(sub.req), self._chunk(sub))
+                chunk = self._chunk(sub, IDLE_PREFILL_SECONDS if idle else self.prefill_seconds)
+                plan[id(sub)] = min(_unfilled(sub.req), chunk if idle else min(chunk, budget))
                 budget -= plan[id(sub)]
         return plan
 
-    def _chunk(self, sub: Submission) -> int:
-        """Prefill tokens that fit `prefill_seconds` at the rate of this request's last chunk: a chunk
-        costs more the deeper it lies in the context (attention reads every earlier token)."""
+    def _chunk(self, sub: Submission, seconds: float) -> int:
+        """Prefill tokens that fit `seconds` at the rate of this request's last chunk (a chunk costs more
+        the deeper it lies: attention reads every earlier token, so the last rate is the best guess)."""
         if sub.prefill_rate is None:
             return FIRST_CHUNK
-        return max(int(sub.prefill_rate * self.prefill_seconds), self.cache.block_size)
+        return max(int(sub.prefill_rate * seconds), self.cache.block_size)
 
     def _fits(self, plan: dict[int, int]) -> bool:
         """Whether the pool (after evicting unused cached prefixes, if need be) holds the planned writes."""
