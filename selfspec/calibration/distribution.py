@@ -42,7 +42,7 @@ def sample_continuations(
         for first in range(0, num_samples, chunk):
             rows = min(chunk, num_samples - first)
             seqs = [cache.fork(root) for _ in range(rows)]
-            gens = [make_generator(seed + first + i) for i in range(rows)]
+            gens = [make_generator(seed + first + i, model.device) for i in range(rows)]
             try:
                 out += generate_batch(
                     model, cache, seqs, [prompt[-1]] * rows, params, config, gens, new_tokens, drafter, [prompt] * rows
@@ -71,10 +71,11 @@ def sequence_logliks(
     try:
         model.prefill(cache, root, prompt[:-1])
         for first in range(0, len(continuations), chunk):
-            conts = torch.tensor(continuations[first : first + chunk])  # [B, n]
+            conts = torch.tensor(continuations[first : first + chunk], device=model.device)  # [B, n]
             seqs = [cache.fork(root) for _ in range(conts.shape[0])]
             try:
-                inputs = torch.cat([torch.full((conts.shape[0], 1), prompt[-1]), conts[:, :-1]], dim=1)  # [B, n]
+                lasts = torch.full((conts.shape[0], 1), prompt[-1], device=model.device)  # [B, 1]
+                inputs = torch.cat([lasts, conts[:, :-1]], dim=1)  # [B, n]
                 probs = process_logits(model.logits(model.forward(inputs, cache, seqs)), params)  # [B, n, vocab]
                 picked = probs.gather(-1, conts[..., None]).squeeze(-1).double()  # [B, n]
                 out.append(picked.log().sum(-1))

@@ -94,9 +94,11 @@ class Runner:
         if self._hf is None:
             from transformers import AutoModelForCausalLM
 
-            self._hf = AutoModelForCausalLM.from_pretrained(
-                str(self.engine.checkpoint_dir), dtype=self.engine.model.dtype
-            ).eval()
+            self._hf = (
+                AutoModelForCausalLM.from_pretrained(str(self.engine.checkpoint_dir), dtype=self.engine.model.dtype)
+                .to(self.engine.device)
+                .eval()
+            )
             self._hf.generation_config.eos_token_id = None  # every method generates exactly max_tokens
             self._hf.generation_config.pad_token_id = 0
             last = self._hf.model.layers[-1]  # only full-model forwards reach the last layer
@@ -142,7 +144,9 @@ class Runner:
         self._forwards = 0
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=self.args.max_tokens, **kwargs)
+            out = model.generate(
+                torch.tensor([ids], device=self.engine.device), max_new_tokens=self.args.max_tokens, **kwargs
+            )
         seconds = time.perf_counter() - start
         return out[0, len(ids) :].tolist(), seconds, max(self._forwards, 1), ""
 

@@ -13,6 +13,7 @@ from .common import (
     ArgumentParser,
     add_draft_head_args,
     add_model_args,
+    cpu_only,
     draft_head_arg,
     engine_from_args,
     positive_int,
@@ -124,6 +125,7 @@ def _body(args) -> int:
         raise ValueError(f"--gammas {args.gammas}: use values in 1..32")
     if min(temps) < 0:
         raise ValueError(f"--temperatures {args.temperatures}: use values >= 0")
+    cpu_only(args, PROG, "it times draft and verify costs with the CPU's clock and profiles this CPU")
     engine = engine_from_args(args, profile=False, draft_head=draft_head_arg(args))
     # A draft head has seen its training prompts: acceptance measured on them would flatter it.
     held = None if args.all_prompts else heldout_ids(engine) or None

@@ -7,6 +7,7 @@ import sys
 from typing import Callable
 
 from selfspec.decoding.round import DRAFTERS
+from selfspec.device import DEVICES
 from selfspec.errors import SelfspecError
 from selfspec.kernels.choice import WEIGHTS
 
@@ -39,6 +40,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="the linears' weight format: auto (the dtype's own, on the fastest exact kernel here), float32, "
         "bfloat16, int8 (per channel) or int4 (groups of 32; a 4-bit GGUF's own codes)",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICES,
+        help="where the model runs: cpu (default) or cuda (a CUDA build of torch and an NVIDIA GPU)",
+    )
     p.add_argument("--threads", type=positive_int, help="torch threads (default: all cores)")
     p.add_argument(
         "--kv-cache-tokens", type=positive_int, help="KV cache capacity in tokens (default: min(context, 8192))"
@@ -56,8 +63,15 @@ def engine_from_args(args: argparse.Namespace, **options):
         weights=args.weights,
         kv_cache_tokens=args.kv_cache_tokens,
         num_threads=args.threads,
+        device=args.device,
         **options,
     )
+
+
+def cpu_only(args: argparse.Namespace, prog: str, why: str) -> None:
+    """For commands that measure or train on the CPU: `--device cuda` is refused with the reason."""
+    if args.device != "cpu":
+        raise SelfspecError(f"{prog} runs on the CPU only ({why}): drop --device {args.device}")
 
 
 def run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_model_args, cpu_only, positive_int, run
 
 PROG = "selfspec roofline"
 
@@ -25,6 +25,7 @@ def _body(args) -> int:
     from selfspec.calibration.roofline import measure
     from selfspec.model.loader import load
 
+    cpu_only(args, PROG, "it measures this CPU's memory bandwidth; benchmarks/gpu_smoke.py measures a GPU")
     if args.threads:
         import torch
 

@@ -104,13 +104,25 @@ def build_parser() -> ArgumentParser:
         help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they are cancelled; "
         f"a second signal cancels them at once (default {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
+
+    g = p.add_argument_group("scaling out (Ray Serve; pip install selfspec[ray])")
+    g.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="engine replicas behind one endpoint, requests sharing a prompt prefix kept on one replica; "
+        "--threads is then per replica (default 1: this process serves alone, without Ray)",
+    )
+    g.add_argument(
+        "--ray-address",
+        help="Ray cluster to deploy the replicas on ('auto', or the head's address; default: start one on "
+        "this machine). The connection limits and timeouts above apply to the single server only",
+    )
     return p
 
 
-def _body(args) -> int:
+def _check(args) -> None:
     from selfspec.serving.auth import protected_paths
-    from selfspec.serving.runner import make_server
-    from selfspec.serving.server import create_app
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port {args.port}: use 1..65535")
@@ -121,9 +133,11 @@ def _body(args) -> int:
     protected_paths(args.protect)  # a bad name fails now, not after loading the model
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: use seconds >= 0")
-    engine = engine_from_args(args, profile=args.profile)
-    app = create_app(
-        engine,
+
+
+def _app_options(args) -> dict:
+    """create_app's options, as the model and limit flags set them (without the API key)."""
+    return dict(
         served_model_name=args.served_model_name or args.model,
         max_batch_size=args.max_batch_size,
         max_waiting=args.max_waiting,
@@ -132,10 +146,19 @@ def _body(args) -> int:
         max_messages=args.max_messages,
         max_message_chars=args.max_message_chars,
         max_n=args.max_n,
-        api_key=args.api_key,
-        protect=args.protect,
         docs=args.docs,
     )
+
+
+def _body(args) -> int:
+    if args.replicas > 1 or args.ray_address:
+        return _body_replicas(args)
+    from selfspec.serving.runner import make_server
+    from selfspec.serving.server import create_app
+
+    _check(args)
+    engine = engine_from_args(args, profile=args.profile)
+    app = create_app(engine, api_key=args.api_key, protect=args.protect, **_app_options(args))
     server = make_server(
         app,
         host=args.host,
@@ -154,6 +177,40 @@ def _body(args) -> int:
         server.run()
     finally:
         app.state.scheduler.stop()  # normally done at lifespan shutdown already; joins the thread either way
+    return 0
+
+
+def _body_replicas(args) -> int:
+    import functools
+
+    from selfspec.serving import replicas
+
+    replicas.require_ray(f"--replicas {args.replicas}")  # before any other work: exit 2 naming the extra
+    _check(args)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    args.threads = threads  # each replica's engine_from_args reads it
+    served = replicas.deploy_engines(
+        # the replicas build their engines from these very flags (whatever model options they hold)
+        functools.partial(engine_from_args, args, profile=args.profile),
+        args.replicas,
+        threads=threads,
+        gpus=1 if getattr(args, "device", "cpu") == "cuda" else 0,
+        ray_address=args.ray_address,
+        host=args.host,
+        port=args.port,
+        gateway_options={"api_key": args.api_key, "protect": args.protect},
+        app_options=_app_options(args),
+    )
+    auth = "API key required" if args.api_key else "no API key"
+    print(
+        f"selfspec serving {args.served_model_name or args.model!r} on {served.url}/v1 with {args.replicas} "
+        f"replicas of {threads} threads on Ray Serve ({auth}); Ctrl-C stops",
+        file=sys.stderr,
+    )
+    try:
+        replicas.wait_for_signal()
+    finally:
+        served.shutdown()
     return 0
 
 

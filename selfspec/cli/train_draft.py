@@ -11,7 +11,7 @@ from pathlib import Path
 from selfspec.data import DEV_SET
 
 from .calibrate import int_range, load_questions
-from .common import ArgumentParser, add_model_args, positive_int, run
+from .common import ArgumentParser, add_model_args, cpu_only, positive_int, run
 
 PROG = "selfspec train-draft"
 
@@ -59,6 +59,7 @@ def _body(args) -> int:
         raise ValueError(f"--heldout {args.heldout}: use a fraction in (0, 1)")
     if args.vocab_subset < 0:
         raise ValueError(f"--vocab-subset {args.vocab_subset}: use >= 0")
+    cpu_only(args, PROG, "distillation is written for CPU tensors")
     loaded = load(args.model, args.dtype)
     model, tok = loaded.model, loaded.tokenizer
     depths = int_range(args.draft_layers)

@@ -32,6 +32,12 @@ class AcceptanceResult:
     def tokens(self, row: int) -> list[int]:
         return self.output_ids[row, : int(self.num_accepted[row]) + 1].tolist()
 
+    def rows(self) -> tuple[list[list[int]], list[int]]:
+        """(tokens per row, accepted per row) as Python lists, read from the device in one go each (a
+        round's only waits for the GPU, besides the draft steps')."""
+        accepted = self.num_accepted.tolist()
+        return [out[: n + 1] for out, n in zip(self.output_ids.tolist(), accepted)], accepted
+
 
 def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
     """accept [B, γ] bool -> [B] length of the all-True prefix."""
@@ -52,7 +58,7 @@ def greedy_accept(
     token) or the bonus position."""
     gamma = draft_ids.shape[1]
     num_accepted = _capped(_first_rejection(draft_ids == target_ids[:, :gamma]), max_accepted)  # [B]
-    keep = torch.arange(gamma + 1)[None, :] <= num_accepted[:, None]  # [B, γ + 1]
+    keep = torch.arange(gamma + 1, device=draft_ids.device)[None, :] <= num_accepted[:, None]  # [B, γ + 1]
     return AcceptanceResult(torch.where(keep, target_ids, PLACEHOLDER), num_accepted)
 
 
@@ -68,20 +74,22 @@ def rejection_sample(
     `max_accepted` [B] (optional): a row with fewer real drafts is padded with q = 0 and capped, so
     that at its cap the residual max(0, p - 0) is p itself: the bonus distribution."""
     batch, gamma = draft_ids.shape
-    u, u_final = _draws(batch, gamma, generators, max_accepted)  # [B, γ] acceptance tests, [B] the sampling draw
+    dev = target_probs.device
+    u, u_final = _draws(batch, gamma, generators, max_accepted, dev)  # [B, γ] acceptance tests, [B] the sampling draw
     if gamma == 0:  # plain rows only: sample from p
-        return AcceptanceResult(inverse_cdf(target_probs[:, 0], u_final)[:, None], torch.zeros(batch, dtype=torch.long))
+        none = torch.zeros(batch, dtype=torch.long, device=dev)
+        return AcceptanceResult(inverse_cdf(target_probs[:, 0], u_final)[:, None], none)
     p = target_probs[:, :gamma].gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ] p_i(d_i)
     q = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ] q_i(d_i) > 0: d_i was drawn from q_i
     num_accepted = _capped(_first_rejection(u * q < p), max_accepted)  # u < p / q, undivided
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=dev)
     p_k = target_probs[rows, num_accepted]  # [B, vocab] target at the first rejection (or the bonus position)
     q_k = draft_probs[rows, num_accepted.clamp(max=gamma - 1)]  # [B, vocab]
     residual = (p_k - q_k).clamp_min(0)  # [B, vocab]
     mass = residual.sum(-1, keepdim=True)  # [B, 1]
     recover = (num_accepted < gamma)[:, None] & (mass > RESIDUAL_EPS)  # [B, 1]; else sample from p itself
     final = inverse_cdf(torch.where(recover, residual, p_k), u_final)  # [B] recovered or bonus token
-    positions = torch.arange(gamma + 1)[None, :]  # [1, γ + 1]
+    positions = torch.arange(gamma + 1, device=dev)[None, :]  # [1, γ + 1]
     out = torch.where(positions < num_accepted[:, None], F.pad(draft_ids, (0, 1)), PLACEHOLDER)  # [B, γ + 1]
     out[rows, num_accepted] = final
     return AcceptanceResult(out, num_accepted)
@@ -92,15 +100,16 @@ def _draws(
     gamma: int,
     generators: torch.Generator | Sequence[torch.Generator | None] | None,
     max_accepted: torch.Tensor | None,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (u [B, γ], u_final [B]). With one generator per row, a row draws only its own γ_b + 1
+    """-> (u [B, γ], u_final [B]) on `device`. With one generator per row, a row draws only its own γ_b + 1
     numbers (γ_b tests, then the sampling draw), so a seeded request samples the same tokens alone or
     in any batch; padded tests past γ_b are 1 (never accepted, and capped anyway)."""
     if generators is None or isinstance(generators, torch.Generator) or max_accepted is None:
-        u = uniforms(batch, gamma + 1, generators)  # [B, γ + 1]
+        u = uniforms(batch, gamma + 1, generators, device)  # [B, γ + 1]
         return u[:, :gamma], u[:, gamma]
-    u, u_final = torch.ones(batch, gamma), torch.empty(batch)
-    for b, cap in enumerate(max_accepted.tolist()):
-        r = uniforms(1, cap + 1, [generators[b]])[0]  # [γ_b + 1]
+    u, u_final = torch.ones(batch, gamma, device=device), torch.empty(batch, device=device)
+    for b, cap in enumerate(max_accepted.tolist()):  # the caps decide how many numbers each row draws
+        r = uniforms(1, cap + 1, [generators[b]], device)[0]  # [γ_b + 1]
         u[b, :cap], u_final[b] = r[:cap], r[cap]
     return u, u_final

@@ -69,9 +69,9 @@ class ExitDrafter(Drafter):
         # Every row's last input (its last draft, or `last` without drafts) through layers [0, N) as well,
         # so that verification starts at layer N everywhere.
         last = [d[-1] if d else t for d, t in zip(run.tokens, step.last)]
-        h = model.forward(torch.tensor(last)[:, None], cache, step.seqs, end=n)  # [B, 1, hidden]
+        h = model.forward(torch.tensor(last, device=model.device)[:, None], cache, step.seqs, end=n)  # [B, 1, hidden]
         width = max(len(d) for d in run.tokens) + 1
-        verify_in = torch.zeros(rows, width, h.shape[-1], dtype=h.dtype)  # [B, γ_max + 1, hidden], padded
+        verify_in = torch.zeros(rows, width, h.shape[-1], dtype=h.dtype, device=h.device)  # [B, γ_max + 1, hidden]
         for b in range(rows):
             verify_in[b, : len(run.tokens[b]) + 1] = torch.cat(run.hidden[b] + [h[b]])
         return Draft(run.tokens, run.probs, verify_in, resume=n)
@@ -104,21 +104,24 @@ def autoregress(
     run = Run([[] for _ in range(rows)], [[] for _ in range(rows)], [[] for _ in range(rows)])
     active = [b for b in range(rows) if gammas[b] > 0]
     while active:
-        x = torch.tensor([[run.tokens[b][-1] if run.tokens[b] else step.last[b]] for b in active])  # [A, 1]
+        newest = [[run.tokens[b][-1] if run.tokens[b] else step.last[b]] for b in active]
+        x = torch.tensor(newest, device=model.device)  # [A, 1]
         batch = cache.prepare([step.seqs[b] for b in active], [1] * len(active))
         h = model.forward(x, cache, batch=batch, end=end)  # [A, 1, hidden] at layer `end`
         lg = logits(h, batch)  # [A, vocab]
         if step.penalties is not None:  # q is processed as the target's p will be: over its own running history
             lg = step.penalties.step(lg, active, [run.tokens[b] for b in active])
         ids, q = sample_rows(lg, [step.params[b] for b in active], [step.generators[b] for b in active])
-        top = _top_prob(lg, q) if step.confidence_threshold > 0 else None
+        threshold = step.confidence_threshold
+        confident = (_top_prob(lg, q) >= threshold).tolist() if threshold > 0 else None  # [A] bool
+        picked = ids.tolist()  # the step's one wait for the device: the next input is built from these
         still = []
         for i, b in enumerate(active):
             run.hidden[b].append(h[i])
-            run.tokens[b].append(int(ids[i]))
+            run.tokens[b].append(picked[i])
             if q is not None:
                 run.probs[b].append(q[i])
-            if len(run.tokens[b]) < gammas[b] and (top is None or top[i] >= step.confidence_threshold):
+            if len(run.tokens[b]) < gammas[b] and (confident is None or confident[i]):
                 still.append(b)
         active = still
     return run

@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..device import resolve_device
 from ..errors import SelfspecError
 from ..model.decoder import DecoderModel
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load, load_weights
@@ -46,6 +47,7 @@ class Engine:
         draft_head: DraftHead | str | bool | None = None,
     ) -> None:
         self.model = loaded.model
+        self.device = self.model.device
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
         self.checkpoint_dir = loaded.checkpoint_dir
@@ -77,12 +79,16 @@ class Engine:
         num_threads: int | None = None,
         profile: Profile | str | bool | None = None,
         draft_head: DraftHead | str | bool | None = None,
+        device: str | torch.device = "cpu",
     ) -> "Engine":
+        """`device`: cpu or cuda (cuda:N); the weights, the KV cache and every step's tensors live there.
+        Asking for cuda where torch sees no GPU raises a SelfspecError saying how to fix it."""
+        device = resolve_device(device)  # before anything is loaded: a wrong device fails fast
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads={num_threads}: must be >= 1")
             torch.set_num_threads(num_threads)
-        loaded = load(model, dtype, weights, backend)
+        loaded = load(model, dtype, weights, backend, device)
         return cls(loaded, kv_cache_tokens=kv_cache_tokens, profile=profile, draft_head=draft_head)
 
     # ---- prompts ----------------------------------------------------------------------------------
@@ -138,7 +144,7 @@ class Engine:
     def draft_model(self, weights: str) -> DecoderModel:
         """The model's own weights in format `weights` (int4: a 4-bit GGUF's own codes), loaded once."""
         if weights not in self._draft_models:
-            draft = load_weights(self.checkpoint_dir, self.model.dtype, weights)
+            draft = load_weights(self.checkpoint_dir, self.model.dtype, weights, device=self.device)
             if draft.kernels.weights != weights:
                 raise SelfspecError(f"drafter {weights!r} is unavailable here: {'; '.join(draft.kernels.reasons)}")
             self._draft_models[weights] = share_embeddings(draft, self.model)
@@ -180,7 +186,7 @@ class Engine:
             prompt_ids=list(prompt_ids),
             params=params,
             kv=self.cache.allocate(),
-            generator=make_generator(params.seed),
+            generator=make_generator(params.seed, self.device),
             text=TextStream(self.tokenizer, prompt_ids, params.stop),
             max_length=min(self.max_model_len, len(prompt_ids) + params.max_tokens),
             eos_token_ids=self.eos_token_ids,

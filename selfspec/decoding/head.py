@@ -122,7 +122,7 @@ class DraftHead:
 
     def context(self, batch: AttentionBatch, cache: PagedKVCache) -> AttnContext:
         k, v = gather_kv(cache.layers[self.draft_layers - 1], batch)  # each [B, kv_heads, T, head_dim]
-        cos, sin = self.model.rope.lookup(batch.positions)
+        cos, sin = self.model.rope.lookup(batch.positions, max(batch.kv_lens))
         return AttnContext(k, v, cos, sin, batch.mask(self.model.config.sliding_windows[self.draft_layers - 1]))
 
     @torch.inference_mode()
@@ -133,15 +133,15 @@ class DraftHead:
         sub = self.head(x).float()  # [..., V_sub]
         if self.vocab is None:
             return sub
-        full = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        full = torch.full((*sub.shape[:-1], self.vocab_size), float("-inf"), device=sub.device)
         return full.index_copy_(-1, self.vocab, sub)
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
-        tensors = {f"adapter.{k}": v.detach().float().contiguous() for k, v in self.adapter.state_dict().items()}
+        tensors = {f"adapter.{k}": v.detach().float().cpu().contiguous() for k, v in self.adapter.state_dict().items()}
         if self.vocab is not None:
-            tensors["vocab"] = self.vocab.contiguous()
+            tensors["vocab"] = self.vocab.cpu().contiguous()
         meta = dict(self.metadata, draft_layers=self.draft_layers, kind=self.kind, rank=self.adapter.rank)
         save_file(tensors, str(path), metadata={"selfspec": json.dumps(meta)})
 
@@ -168,8 +168,9 @@ def build(
     """A draft head for `model` at depth N; the adapter is cast to the model's dtype."""
     if not 1 <= draft_layers < model.num_layers:
         raise SelfspecError(f"draft_layers={draft_layers} is invalid for a {model.num_layers}-layer model")
+    vocab = None if vocab is None else vocab.to(model.device)
     head = model.head if vocab is None else model.make_linear(model.head_weight[vocab].contiguous())
-    adapter = adapter.to(model.dtype).eval()
+    adapter = adapter.to(device=model.device, dtype=model.dtype).eval()
     for p in adapter.parameters():
         p.requires_grad_(False)
     meta = dict(metadata or {}, base_fingerprint=model.fingerprint)

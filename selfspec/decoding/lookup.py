@@ -42,7 +42,9 @@ def match(history: list[int], ngram: int, limit: int) -> list[int]:
     (n = ngram .. 1; the longest suffix that recurs wins); [] when none recurs."""
     if len(history) < 2:
         return []
-    seq = torch.tensor(history)  # [T]
+    # On the host whatever the model's device: the history is a Python list, the answer goes back to one,
+    # and a few thousand ids compare faster here than a round trip to a GPU.
+    seq = torch.tensor(history, device="cpu")  # [T]
     for n in range(min(ngram, len(history) - 1), 0, -1):
         windows = seq[:-1].unfold(0, n, 1)  # [T - n, n]: every n-gram that has a token after it
         hits = (windows == seq[-n:]).all(-1).nonzero()  # [H, 1] start positions of earlier occurrences

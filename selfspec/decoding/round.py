@@ -110,12 +110,12 @@ def run_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Rou
 
 
 def plain_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
-    h = model.forward(torch.tensor(step.last)[:, None], cache, step.seqs)  # [B, 1, hidden]
+    h = model.forward(torch.tensor(step.last, device=model.device)[:, None], cache, step.seqs)  # [B, 1, hidden]
     logits = model.logits(h[:, -1])  # [B, vocab] raw: logprobs are taken from these
     rows = len(step.seqs)
     judged = logits if step.penalties is None else step.penalties.step(logits, list(range(rows)), [[]] * rows)
     ids, _ = sample_rows(judged, step.params, step.generators)  # [B]
-    tokens = [[int(t)] for t in ids]
+    tokens = [[t] for t in ids.tolist()]  # one read from the device
     return RoundResult(tokens, [0] * rows, [0] * rows, logprobs=_logprobs(logits[:, None], tokens, step.params))
 
 
@@ -127,20 +127,20 @@ def speculative_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput
     draft = step.drafter.propose(model, cache, step)
     drafted = time.perf_counter()
     counts = [len(d) + 1 for d in draft.tokens]
-    x = draft.hidden if draft.hidden is not None else _token_inputs(step.last, draft.tokens)
+    x = draft.hidden if draft.hidden is not None else _token_inputs(step.last, draft.tokens, model.device)
     # Verification: inputs [last, d_1 .. d_γ] at positions p0 .. p0 + γ. The logits at index i are the
     # target's distribution for position p0 + i + 1: they judge draft d_{i+1}; index γ gives the bonus.
     h = model.forward(x, cache, step.seqs, start=draft.resume, counts=counts, starts=p0)  # [B, γ_max + 1, hidden]
     target_logits = model.logits(h)  # [B, γ_max + 1, vocab] raw: logprobs are taken from these
     judged = target_logits if step.penalties is None else step.penalties.verify(target_logits, draft.tokens)
     result = _accept(draft.tokens, draft.probs, judged, step.params, step.generators)
+    tokens, accepted = result.rows()
     for b, seq in enumerate(step.seqs):
-        cache.truncate(seq, p0[b] + int(result.num_accepted[b]) + 1)  # rollback = a length edit
-    tokens = [result.tokens(b) for b in range(len(step.seqs))]
+        cache.truncate(seq, p0[b] + accepted[b] + 1)  # rollback = a length edit
     drafted_per_row = [len(d) for d in draft.tokens]
     logprobs = _logprobs(target_logits, tokens, step.params)
     seconds = time.perf_counter() - drafted
-    return RoundResult(tokens, result.num_accepted.tolist(), drafted_per_row, drafted - start, seconds, logprobs)
+    return RoundResult(tokens, accepted, drafted_per_row, drafted - start, seconds, logprobs)
 
 
 def _logprobs(
@@ -156,12 +156,12 @@ def _logprobs(
     ]
 
 
-def _token_inputs(last: list[int], drafts: list[list[int]]) -> torch.Tensor:
-    """[B, γ_max + 1] token ids [last, d_1 ..] per row, padded with token 0."""
-    x = torch.zeros(len(last), max(len(d) for d in drafts) + 1, dtype=torch.long)
-    for b, (t, d) in enumerate(zip(last, drafts)):
-        x[b, : len(d) + 1] = torch.tensor([t, *d])
-    return x
+def _token_inputs(last: list[int], drafts: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[B, γ_max + 1] token ids [last, d_1 ..] per row on `device`, padded with token 0 (built as a list:
+    one copy to the device)."""
+    width = max(len(d) for d in drafts) + 1
+    rows = [[t, *d] + [0] * (width - len(d) - 1) for t, d in zip(last, drafts)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _accept(
@@ -174,14 +174,13 @@ def _accept(
     """drafts: per row d_1..d_γb; probs: per row q_1..q_γb (empty for greedy rows); target_logits
     [B, γ_max + 1, vocab]. Rows are padded to γ_max and capped at their own γ_b."""
     rows, vocab = target_logits.shape[0], target_logits.shape[-1]
-    width = target_logits.shape[1] - 1
-    caps = torch.tensor([len(d) for d in drafts])  # [B]
-    draft_ids = torch.zeros(rows, width, dtype=torch.long)  # [B, γ_max], padded with token 0
-    for b, d in enumerate(drafts):
-        draft_ids[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+    width, dev = target_logits.shape[1] - 1, target_logits.device
+    caps = torch.tensor([len(d) for d in drafts], device=dev)  # [B]
+    padded = [d + [0] * (width - len(d)) for d in drafts]
+    draft_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(rows, width)  # [B, γ_max], padded with 0
     if all(p.greedy for p in params):
         return greedy_accept(draft_ids, target_logits.argmax(-1), caps)
-    q = torch.zeros(rows, width, vocab)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
+    q = torch.zeros(rows, width, vocab, device=dev)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
     for b, d in enumerate(drafts):
         for i, t in enumerate(d):
             if i < len(probs[b]):

@@ -146,8 +146,10 @@ def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.where(fine, scaled, limit)  # per row, so a row's result never depends on its batch
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream on `device` (the model's: its draws then need no copy). A seed gives
+    the same tokens on every run on that device type; CPU and CUDA streams differ."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()  # nondeterministic
     else:
@@ -163,7 +165,7 @@ def sample_rows(
     if all(p.greedy for p in params):
         return logits.argmax(-1), None
     probs = process_rows(logits, params)
-    return inverse_cdf(probs, uniforms(len(generators), 1, generators)[:, 0]), probs
+    return inverse_cdf(probs, uniforms(len(generators), 1, generators, probs.device)[:, 0]), probs
 
 
 def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -173,11 +175,23 @@ def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.stack([process_logits(logits[b], p) for b, p in enumerate(params)])
 
 
-def uniforms(batch: int, n: int, generators: torch.Generator | Sequence[torch.Generator | None] | None) -> torch.Tensor:
-    """[batch, n] uniform in [0, 1): from one generator per row, or from a single shared one."""
+def uniforms(
+    batch: int,
+    n: int,
+    generators: torch.Generator | Sequence[torch.Generator | None] | None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """[batch, n] uniform in [0, 1) on `device`: from one generator per row, or from a single shared one
+    (None: torch's default generator of `device`). Each number is drawn on its generator's device, so a
+    seeded stream does not depend on where its consumer runs, then moved to `device` if it differs."""
     if generators is None or isinstance(generators, torch.Generator):
-        return torch.rand(batch, n, generator=generators)
-    return torch.stack([torch.rand(n, generator=g) for g in generators])
+        return _draw((batch, n), generators, device)
+    return torch.stack([_draw((n,), g, device) for g in generators])
+
+
+def _draw(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    where = torch.device(device) if generator is None else generator.device
+    return torch.rand(shape, generator=generator, device=where).to(device)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -242,16 +256,17 @@ class Penalties:
         picked = [j for j, b in enumerate(rows) if b in self.index]
         if not picked:
             return logits
-        self._build(logits.shape[-1])
+        dev = logits.device
+        self._build(logits.shape[-1], dev)
         where = {j: n for n, j in enumerate(picked)}
-        delta = torch.zeros(len(picked), logits.shape[1], self.vocab)  # [P, W, vocab] generated past the history
+        delta = torch.zeros(len(picked), logits.shape[1], self.vocab, device=dev)  # [P, W, vocab] past the history
         entries = [(where[j], pos, t) for j, pos, t in entries if j in where]
         if entries:
-            index = tuple(torch.tensor(entries).T)
-            delta.index_put_(index, torch.ones(len(entries)), accumulate=True)
+            index = tuple(torch.tensor(entries, device=dev).T)
+            delta.index_put_(index, torch.ones(len(entries), device=dev), accumulate=True)
             if cumulative:
                 delta = delta.cumsum(1)
-        ks = torch.tensor([self.index[rows[j]] for j in picked])  # [P] table rows
+        ks = torch.tensor([self.index[rows[j]] for j in picked], device=dev)  # [P] table rows
         out = logits.float().clone()  # [R, W, vocab]; rows without penalties stay as they are
         out[picked] = self._penalize(out[picked], ks, delta)
         return out
@@ -265,26 +280,27 @@ class Penalties:
         logits = logits - self.frequency[ks] * generated - self.presence[ks] * (generated > 0)
         return logits + self.bias[ks, None]
 
-    def _build(self, vocab: int) -> None:
-        """The per-row tables, once per round: generated-token counts, seen masks, dense biases [P, vocab]
-        and the penalty values [P, 1, 1]."""
+    def _build(self, vocab: int, device: torch.device) -> None:
+        """The per-row tables on the logits' `device`, once per round: generated-token counts, seen masks,
+        dense biases [P, vocab] and the penalty values [P, 1, 1]."""
         if self.vocab == vocab:
             return
         rows = len(self.params)
         self.vocab = vocab
-        self.generated = torch.zeros(rows, vocab)  # [P, vocab]
-        self.seen = torch.zeros(rows, vocab, dtype=torch.bool)  # [P, vocab]
-        self.bias = torch.zeros(rows, vocab)  # [P, vocab]
+        self.generated = torch.zeros(rows, vocab, device=device)  # [P, vocab]
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # [P, vocab]
+        self.bias = torch.zeros(rows, vocab, device=device)  # [P, vocab]
         for k, (p, history, start) in enumerate(zip(self.params, self.history, self.starts)):
-            ids = torch.tensor(history, dtype=torch.long)  # [T]
+            ids = torch.tensor(history, dtype=torch.long, device=device)  # [T]
             self.generated[k] = torch.bincount(ids[start:], minlength=vocab)[:vocab]
             self.seen[k, ids] = True
             bias = [(t, b) for t, b in p.logit_bias if t < vocab]  # ids past the vocabulary bias nothing
             if bias:
-                self.bias[k, [t for t, _ in bias]] = torch.tensor([float(b) for _, b in bias])
+                where = torch.tensor([t for t, _ in bias], device=device)
+                self.bias[k, where] = torch.tensor([float(b) for _, b in bias], device=device)
         for name in ("presence", "frequency", "repetition"):
             values = [getattr(p, f"{name}_penalty") for p in self.params]
-            setattr(self, name, torch.tensor(values, dtype=torch.float32)[:, None, None])
+            setattr(self, name, torch.tensor(values, dtype=torch.float32, device=device)[:, None, None])
 
 
 # ---- log-probabilities ----------------------------------------------------------------------------------
@@ -294,7 +310,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     """Raw logits [n, vocab] at the positions of n emitted tokens -> each token's log-probability (float32
     log-softmax, before penalties and sampling settings) and the k most likely tokens there."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
-    chosen = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()  # [n]
     k = min(k, logp.shape[-1])
     if k == 0:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]

@@ -18,14 +18,22 @@ class Linear(ABC):
     name: ClassVar[str]
     row_exact: ClassVar[bool]
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.out_features, self.in_features = out_features, in_features
         self.dtype = dtype  # the activations' dtype, in and out
-        self.bias = None if bias is None else bias.to(dtype)
+        self.device = torch.device(device)  # where the weight lives and the matmul runs (the weight's device)
+        self.bias = None if bias is None else bias.to(device=self.device, dtype=dtype)
 
     @classmethod
-    def unavailable(cls, dtype: torch.dtype) -> str | None:
-        """Why this backend cannot run activations of `dtype` here (None: it can)."""
+    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
+        """Why this backend cannot run activations of `dtype` on `device` here (None: it can)."""
         return None
 
     @abstractmethod
@@ -40,7 +48,7 @@ class Linear(ABC):
     def dequantized(self) -> torch.Tensor:
         """[out, in] float32: the weight this backend multiplies by, whatever its stored form (for
         tests, error reports and draft-head initialisation)."""
-        eye = torch.eye(self.in_features, dtype=self.dtype)
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.device)
         return self.matmul(eye).float().t().contiguous()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

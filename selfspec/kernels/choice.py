@@ -5,7 +5,11 @@ backend that keeps the target exact, measured once per machine and cached.
 For float formats, backends that are row-exact (see base.Linear) come first: fp32 greedy speculative
 output must equal plain greedy output bit for bit. Among several candidates the timing decides, and
 that choice is cached under the model cache keyed by the CPU model, its ISA flags, the thread count
-and the torch version, so another machine or torch build measures again."""
+and the torch version, so another machine or torch build measures again.
+
+On a GPU the CPU-only backends do not apply (oneDNN's prepacked weights and the int8 / int4 CPU kernels
+are CPU formats): float weights run on `dense` (F.linear on cuBLAS, in the activations' dtype), int8 and
+int4 as their notes say (kernels/int8.py, kernels/int4.py); nothing there is row-exact (`_cuda_plan`)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 from .base import Linear
 from .dense import Dense
 from .int4 import Int4
+from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
 from .int8 import Int8
 from .onednn import OneDNN
 
@@ -50,10 +55,11 @@ def plan(
     sample: torch.Tensor | None = None,
     cache: Path | None = None,
     backend: str | None = None,
+    device: torch.device | str = "cpu",
 ) -> KernelPlan:
-    """The weight format and backend for activations of `dtype`. `sample`: a weight [out, in] of the
-    model to time candidates on; `cache`: where measured choices are kept; `backend`: a float backend
-    forced by name (benchmarks compare `dense`, the reference, with the chosen one)."""
+    """The weight format and backend for activations of `dtype` on `device`. `sample`: a weight
+    [out, in] of the model to time candidates on; `cache`: where measured choices are kept; `backend`:
+    a float backend forced by name (benchmarks compare `dense`, the reference, with the chosen one)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is invalid: use one of {', '.join(WEIGHTS)}")
     name = str(dtype).replace("torch.", "")
@@ -61,6 +67,8 @@ def plan(
         raise ValueError(
             f"weights={weights} with dtype {name}: float weights run in their own dtype (use --dtype {weights})"
         )
+    if torch.device(device).type != "cpu":
+        return _cuda_plan(dtype, weights, backend, torch.device(device))
     if weights in QUANTIZED:
         backend = QUANTIZED[weights]
         why = backend.unavailable(dtype)
@@ -80,6 +88,23 @@ def plan(
             raise ValueError(f"backend {backend} cannot run {name} here: {why}")
         return KernelPlan(name, forced.name, forced.row_exact, ["forced by the caller"])
     return _float_plan(dtype, sample, cache)
+
+
+def _cuda_plan(dtype: torch.dtype, weights: str, backend: str | None, device: torch.device) -> KernelPlan:
+    """On a GPU: float weights on dense, int8 / int4 on their CUDA paths; none of them row-exact."""
+    name = str(dtype).replace("torch.", "")
+    if backend not in (None, Dense.name):
+        raise ValueError(f"backend {backend} cannot run on {device.type}: {OneDNN.unavailable(dtype, device)}")
+    not_exact = (
+        f"not row-exact on {device.type}: a k-row verification may take another cuBLAS / SDPA kernel than a "
+        "1-row step, so fp32 speculative output may differ from plain output at near-ties"
+    )
+    if weights == "int8":
+        return KernelPlan("int8", Int8.name, False, [INT8_CUDA_NOTE, not_exact])
+    if weights == "int4":
+        return KernelPlan("int4", Int4.name, False, [Int4.cuda_note(dtype, device), not_exact])
+    why = f"{device.type}: dense (F.linear on cuBLAS) in {name}; {OneDNN.name}: {OneDNN.unavailable(dtype, device)}"
+    return KernelPlan(name, Dense.name, False, [why, not_exact])
 
 
 def _float_plan(dtype: torch.dtype, sample: torch.Tensor | None, cache: Path | None) -> KernelPlan:
@@ -148,7 +173,7 @@ def _timings(
 
 
 def _median_ms(linear: Linear, rows: int, dtype: torch.dtype, repeats: int = 15) -> float:
-    x = torch.randn(rows, linear.in_features).to(dtype)
+    x = torch.randn(rows, linear.in_features, device=linear.device).to(dtype)
     linear(x)  # warm-up
     samples = []
     for _ in range(repeats):

@@ -17,12 +17,14 @@ class OneDNN(Linear):
     row_exact = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        super().__init__(*weight.shape, bias, dtype)
-        self._nbytes = weight.numel() * torch.tensor([], dtype=dtype).element_size()
+        super().__init__(*weight.shape, bias, dtype, weight.device)
+        self._nbytes = weight.numel() * dtype.itemsize
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), None)
 
     @classmethod
-    def unavailable(cls, dtype: torch.dtype) -> str | None:
+    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
+        if torch.device(device).type != "cpu":
+            return "oneDNN's prepacked weights (mkldnn._reorder_linear_weight) are a CPU format"
         return _probe(dtype)
 
     @property
@@ -39,8 +41,8 @@ def _probe(dtype: torch.dtype) -> str | None:
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 16, dtype=dtype), None)
-        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), w, None, "none", [], "")
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 16, dtype=dtype, device="cpu"), None)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype, device="cpu"), w, None, "none", [], "")
     except (RuntimeError, AttributeError) as e:
         return f"oneDNN {str(dtype).replace('torch.', '')} linear unavailable: {str(e).splitlines()[0]}"
     return None

@@ -37,7 +37,7 @@ class AttentionBatch:
         if b == 1 and s == 1 and (window is None or t <= window):
             return None
         if window not in self._masks:
-            keys = torch.arange(t)[None, None, :]  # [1, 1, T]
+            keys = torch.arange(t, device=self.positions.device)[None, None, :]  # [1, 1, T]
             pos = self.positions[:, :, None]  # [B, S, 1]
             allowed = keys <= pos
             if window is not None:

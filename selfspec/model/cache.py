@@ -34,6 +34,7 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is reserved)")
@@ -41,10 +42,12 @@ class PagedKVCache:
             raise ValueError(f"block_size={block_size}: must be >= 1")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.device = torch.device(device)  # the model's: the pool and every attention-metadata tensor live here
         # Per layer [k/v, kv_heads, blocks, block_size, head_dim]: one gather along dim 2 reads k and v.
         # Zero-filled so that padded (masked) keys never carry NaN into attention.
         self.layers = [
-            torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype) for _ in range(num_layers)
+            torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
         ]
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # a stack: pop() hands out low ids first
@@ -143,7 +146,7 @@ class PagedKVCache:
         for seq, start, n in zip(seqs, starts, num_tokens):
             self.reserve(seq, start, n)
         # Built as Python lists and converted once each: a handful of tiny tensor ops per sequence cost
-        # more than the whole list arithmetic at decoding sizes.
+        # more than the whole list arithmetic at decoding sizes (and on a GPU each is one host-to-device copy).
         bs, width = self.block_size, max(num_tokens)
         kv_lens = [start + n for start, n in zip(starts, num_tokens)]
         max_blocks = self.blocks_needed(max(kv_lens))
@@ -155,11 +158,12 @@ class PagedKVCache:
             slots.append([table[p // bs] * bs + p % bs for p in pos] + [NULL_BLOCK * bs] * (width - n))
             tables.append(table + [NULL_BLOCK] * (max_blocks - len(table)))
             firsts.append(table[0] if table and _consecutive(table) else None)
+        dev = self.device
         return AttentionBatch(
-            positions=torch.tensor([p + [0] * (width - len(p)) for p in positions], dtype=torch.long),  # [B, S]
-            block_tables=torch.tensor(tables, dtype=torch.long),  # [B, max_blocks]
+            positions=torch.tensor([p + [0] * (width - len(p)) for p in positions], dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),  # [B, max_blocks]
             kv_lens=kv_lens,
-            write_slots=torch.tensor(slots, dtype=torch.long).flatten(),  # [B * S]
+            write_slots=torch.tensor(slots, dtype=torch.long, device=dev).flatten(),  # [B * S]
             block_size=bs,
             num_tokens=list(num_tokens),
             first_blocks=firsts,

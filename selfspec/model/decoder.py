@@ -53,9 +53,10 @@ class DecoderModel:
         self.norm_weight = norm  # [hidden]
         self.head_weight = head_weight  # [vocab, hidden] float; the same tensor as embed when tied
         self.dtype = embed.dtype  # the activations' dtype
+        self.device = embed.device  # where every weight, the cache and each forward's tensors live
         self.kernels = kernels  # the weight format and backend of every linear
         self.head = self.make_linear(head_weight)
-        self.rope = RopeTable(config.rope, config.head_dim, self.dtype)
+        self.rope = RopeTable(config.rope, config.head_dim, self.dtype, self.device)
         c = config
         self._qkv_split = [c.num_heads * c.head_dim, 2 * c.num_kv_heads * c.head_dim]
         self._qk_heads = c.num_heads + c.num_kv_heads
@@ -80,14 +81,20 @@ class DecoderModel:
             f"{c.model_type}|{c.vocab_size}|{c.hidden_size}|{c.intermediate_size}|"
             f"{c.num_layers}|{c.num_heads}|{c.num_kv_heads}"
         )
-        sample = self.embed_weight[:8, :64].to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        sample = self.embed_weight[:8, :64].to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes()
         return hashlib.sha256(arch.encode() + sample).hexdigest()[:16]
 
     def new_cache(self, num_tokens: int, block_size: int = 16) -> PagedKVCache:
         c = self.config
         blocks = -(-num_tokens // block_size) + 1  # + the reserved null block
         return PagedKVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=blocks, block_size=block_size, dtype=self.dtype
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            num_blocks=blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     # ---- the forward ------------------------------------------------------------------------------
@@ -116,7 +123,7 @@ class DecoderModel:
                 raise ValueError("forward needs the sequences (seqs) or prepared attention metadata (batch)")
             batch = cache.prepare(seqs, counts or [x.shape[1]] * x.shape[0], starts)
         h = F.embedding(x, self.embed_weight) if x.dtype == torch.long else x
-        cos, sin = self.rope.lookup(batch.positions)  # [B, S, 1, head_dim]
+        cos, sin = self.rope.lookup(batch.positions, max(batch.kv_lens))  # [B, S, 1, head_dim]
         for i in range(start, end):
             h = self._layer(i, h, cos, sin, batch, cache.layers[i])
         return h
@@ -128,7 +135,7 @@ class DecoderModel:
             part = tokens[i : i + chunk]
             batch = cache.prepare([seq], [len(part)])
             batch.exact = False
-            self.forward(torch.tensor([part]), cache, batch=batch)
+            self.forward(torch.tensor([part], device=self.device), cache, batch=batch)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
@@ -181,29 +188,33 @@ def build_model(
     dtype: torch.dtype,
     kernels: KernelPlan | None = None,
     codes: Callable[[str], Int4Codes | None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> DecoderModel:
     """Builds the model from tensors named as in Hugging Face checkpoints; `get(name)` returns a tensor
     or None when absent. `kernels`: the weight format and backend of the linears (default: the
-    dtype's float weights on the best backend here). `codes(name)`: a weight's own 4-bit codes
-    (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing."""
-    kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype)  # notes added below
+    dtype's float weights on the best backend for `device`). `codes(name)`: a weight's own 4-bit codes
+    (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing. Every tensor is moved
+    to `device` as it is read, so the backends pack (or keep) weights there."""
+    device = torch.device(device)
+    kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype, device=device)
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
         if t is None:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-        return t.to(dtype)
+        return t.to(device=device, dtype=dtype)
 
     def maybe(name: str) -> torch.Tensor | None:
         t = get(name)
-        return None if t is None else t.to(dtype)
+        return None if t is None else t.to(device=device, dtype=dtype)
 
     def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """One linear over the weights `names` stacked along the output dimension."""
         found = [codes(n) for n in names] if codes is not None and kernels.backend == Int4.name else []
         if found and all(c is not None for c in found):
             own.append(names[0])
-            return Int4.from_codes(*(torch.cat(parts) for parts in zip(*found)), bias, dtype)
+            parts = (torch.cat(p).to(device) for p in zip(*found))  # codes, scale, zero
+            return Int4.from_codes(*parts, bias, dtype)
         weight = torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
         return quantized(make_linear(kernels, weight, bias, dtype), weight, names[0])
 
@@ -237,7 +248,7 @@ def build_model(
     embed = need("model.embed_tokens.weight")
     head = embed if config.tie_word_embeddings else need("lm_head.weight")
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)
-    if own and Int8.unavailable(dtype) is None:
+    if own and Int8.unavailable(dtype, device) is None:
         # The 4-bit GGUFs seen keep the embedding / LM head at 6-8 bits: re-quantizing it to int4 costs
         # ~9 % relative error (it decides every token), int8 ~0.5 % for twice int4's bytes of that one weight.
         model.head = Int8(head, None, dtype)

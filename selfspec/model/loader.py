@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import resolve_device
 from ..errors import ModelLoadError
 from ..kernels.choice import plan
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -88,33 +89,44 @@ def resolve_checkpoint(model: str) -> Path:
 
 
 def load(
-    model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", weights: str = "auto", backend: str | None = None
+    model: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    weights: str = "auto",
+    backend: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> LoadedModel:
     """`dtype`: the activations' dtype; `weights`: the linears' format (kernels/choice.py), chosen with
-    the backend that runs it on this machine. int4 weights of a 4-bit GGUF are its own codes."""
+    the backend that runs it on this machine; `device`: cpu or cuda (checked before anything loads).
+    int4 weights of a 4-bit GGUF are its own codes."""
+    device = resolve_device(device)
     ckpt = resolve_checkpoint(model)
-    decoder = load_weights(ckpt, dtype, weights, backend)
+    decoder = load_weights(ckpt, dtype, weights, backend, device)
     return LoadedModel(decoder, load_tokenizer(ckpt), ckpt, name=model)
 
 
 def load_weights(
-    ckpt: Path, dtype: str | torch.dtype = "float32", weights: str = "auto", backend: str | None = None
+    ckpt: Path,
+    dtype: str | torch.dtype = "float32",
+    weights: str = "auto",
+    backend: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> DecoderModel:
-    """The decoder of checkpoint directory `ckpt` with its linears in format `weights` (a quantized
-    self-draft loads the same checkpoint a second time this way)."""
+    """The decoder of checkpoint directory `ckpt` with its linears in format `weights` on `device` (a
+    quantized self-draft loads the same checkpoint a second time this way)."""
+    device = resolve_device(device)
     torch_dtype = parse_dtype(dtype)
     hf_config = json.loads((ckpt / "config.json").read_text())
     config = _with_eos_ids(ModelConfig.from_hf(hf_config), ckpt)
     get = _tensor_source(ckpt)
     sample = get("model.layers.0.mlp.gate_proj.weight")
     sample = None if sample is None else sample.float()
-    kernels = plan(torch_dtype, weights, sample=sample, cache=kernel_cache(), backend=backend)
+    kernels = plan(torch_dtype, weights, sample=sample, cache=kernel_cache(), backend=backend, device=device)
     codes = None
     source = ckpt / "selfspec-source.json"
     if kernels.weights == "int4" and source.is_file():
         gguf = Path(json.loads(source.read_text())["gguf"])
         codes = cached_codes(gguf, config, ckpt / "int4-codes.safetensors") if gguf.is_file() else None
-    return build_model(config, get, torch_dtype, kernels, codes)
+    return build_model(config, get, torch_dtype, kernels, codes, device)
 
 
 def load_tokenizer(ckpt: Path):

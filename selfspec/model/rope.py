@@ -11,7 +11,7 @@ from .config import RopeConfig
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim // 2] float32, attention scaling applied to cos/sin)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     p = rope.params
     if rope.rope_type == "default":
@@ -62,8 +62,8 @@ def _yarn(theta: float, dim: int, p: dict) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation_weight = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
     return inv_freq, float(attention)
@@ -73,24 +73,33 @@ class RopeTable:
     """cos/sin per position, grown on demand. The sin table carries the sign of rotate_half, so that
     rope(x) = x * cos + roll(x, head_dim / 2) * sin_signed, bit-identical to x*cos + rotate_half(x)*sin."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, dtype: torch.dtype) -> None:
-        self.inv_freq, self.scaling = inverse_frequencies(rope, head_dim)
+    def __init__(self, rope: RopeConfig, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.inv_freq, self.scaling = inverse_frequencies(rope, head_dim)  # on the CPU, see _grow
         self.dtype = dtype
+        self.device = torch.device(device)
         self.half = head_dim // 2
-        self.cos = torch.empty(0, head_dim, dtype=dtype)  # [positions, head_dim]
-        self.sin_signed = torch.empty(0, head_dim, dtype=dtype)
+        self.cos = torch.empty(0, head_dim, dtype=dtype, device=self.device)  # [positions, head_dim]
+        self.sin_signed = torch.empty(0, head_dim, dtype=dtype, device=self.device)
 
     def _grow(self, n: int) -> None:
+        # Computed on the CPU whatever the device, then moved: the tables are then the same bits on every
+        # device (a GPU's cos/sin round differently), and growing is rare (doubling, 256 at least).
         n = max(n, 2 * self.cos.shape[0], 256)
-        freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [n, head_dim/2]
+        freqs = torch.arange(n, dtype=torch.float32, device="cpu")[:, None] * self.inv_freq[None, :]  # [n, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = (emb.cos() * self.scaling).to(self.dtype)
+        self.cos = (emb.cos() * self.scaling).to(self.dtype).to(self.device)
         sin = (emb.sin() * self.scaling).to(self.dtype)
-        self.sin_signed = torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=-1)
+        self.sin_signed = torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=-1).to(self.device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, S] -> cos, sin_signed, each [B, S, 1, head_dim] (broadcast over heads)."""
-        needed = int(positions.max()) + 1
+    def reserve(self, positions: int) -> None:
+        """Makes the tables cover positions [0, positions) (before a CUDA graph capture, which may not grow them)."""
+        if positions > self.cos.shape[0]:
+            self._grow(positions)
+
+    def lookup(self, positions: torch.Tensor, needed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> cos, sin_signed, each [B, S, 1, head_dim] (broadcast over heads). `needed`:
+        1 + the largest position when the caller knows it (reading it from a GPU tensor waits for the GPU)."""
+        needed = int(positions.max()) + 1 if needed is None else needed
         if needed > self.cos.shape[0]:
             self._grow(needed)
         return self.cos[positions].unsqueeze(2), self.sin_signed[positions].unsqueeze(2)
