@@ -244,7 +244,7 @@ class Engine:
             gammas=gammas,
             drafter=drafter,
             confidence_threshold=max(r.confidence_threshold for r in reqs),
-            history=[r.prompt_ids + r.output_ids for r in reqs],
+            history=[r.tokens for r in reqs],
             prompt_lens=[len(r.prompt_ids) for r in reqs],
         )
         start = time.perf_counter()
@@ -306,11 +306,10 @@ class Engine:
         """Runs the request's tokens (all but the last, minus what its cache already holds: a cached
         prefix, earlier chunks) into the cache, at most `max_tokens` of them -> tokens run. After a
         preemption the tokens include its output so far, which is recomputed, not changed."""
-        todo = (req.prompt_ids + req.output_ids)[req.kv.length : -1]
-        if max_tokens is not None:
-            todo = todo[:max_tokens]
+        end = req.kv.length + (req.unfilled if max_tokens is None else min(max_tokens, req.unfilled))
+        todo = req.tokens[req.kv.length : end]
         start = time.perf_counter()
         self.model.prefill(self.cache, req.kv, todo, PREFILL_CHUNK)
         req.stats.prefill_seconds += time.perf_counter() - start
-        req.prefilled = req.kv.length == len(req.prompt_ids) + len(req.output_ids) - 1
+        req.prefilled = req.unfilled == 0
         return len(todo)

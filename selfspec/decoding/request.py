@@ -71,6 +71,17 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def tokens(self) -> list[int]:
+        """Prompt and output so far: what the cache holds, then the last token (the next round's input)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def unfilled(self) -> int:
+        """Tokens still to run into the cache before decoding: all but the last, minus what it holds
+        (a cached prefix, earlier prefill chunks; after a preemption, the output too)."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1 - self.kv.length
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 

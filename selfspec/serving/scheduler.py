@@ -189,7 +189,7 @@ class Scheduler:
             if self.engine.prefill(sub.req, plan[id(sub)]):
                 sub.prefill_rate = plan[id(sub)] / (time.perf_counter() - start)
             if sub.req.prefilled:
-                self.blocks.remember(_tokens(sub.req)[:-1], sub.req.kv)
+                self.blocks.remember(sub.req.tokens[:-1], sub.req.kv)
         if self.prefix is not None:
             self.prefix.trim()  # blocks that finished requests released may leave it over its bound
 
@@ -201,10 +201,8 @@ class Scheduler:
             if self.metrics:
                 self.metrics.observe_tokens(sub, len(out.token_ids), now)
             req = sub.req
-            event = Event(out.token_ids, "".join(out.texts), req.finish_reason, logprobs=out.logprobs)
-            if req.finished:
-                event.stats = req.stats
-            sub.emit(event)
+            stats = req.stats if req.finished else None  # the last event carries them
+            sub.emit(Event(out.token_ids, "".join(out.texts), req.finish_reason, stats, logprobs=out.logprobs))
             if req.finished:
                 self._finish(sub)
 
@@ -219,7 +217,7 @@ class Scheduler:
         for sub in self.running:
             if not sub.req.prefilled:
                 chunk = self._chunk(sub, IDLE_PREFILL_SECONDS if idle else self.prefill_seconds)
-                plan[id(sub)] = min(_unfilled(sub.req), chunk if idle else min(chunk, budget))
+                plan[id(sub)] = min(sub.req.unfilled, chunk if idle else min(chunk, budget))
                 budget -= plan[id(sub)]
         return plan
 
@@ -248,7 +246,7 @@ class Scheduler:
         total = 0
         for sub in self.running:
             req = sub.req
-            todo = self._lookahead(sub) if req.prefilled else _unfilled(req) + 1
+            todo = self._lookahead(sub) if req.prefilled else req.unfilled + 1
             total += self.cache.growth(req.kv, req.kv.length, todo)
         return total
 
@@ -262,7 +260,7 @@ class Scheduler:
                 return
             if sub.req is None and not self._create(sub):
                 continue
-            tokens = _tokens(sub.req)[:-1]
+            tokens = sub.req.tokens[:-1]
             needed = self.cache.blocks_needed(len(tokens) + self._lookahead(sub))
             if self.blocks.allocate(sub.req.kv, tokens, needed, self._reserved()):
                 self._pop(sub)
@@ -282,7 +280,7 @@ class Scheduler:
         """Frees a running request's blocks (its full ones stay findable in the prefix cache) and puts it
         back at the head of the queue; its output so far is kept and will be recomputed, not redone."""
         req = sub.req
-        self.blocks.remember(_tokens(req)[: req.kv.length], req.kv)
+        self.blocks.remember(req.tokens[: req.kv.length], req.kv)
         self.engine.release(req)
         req.prefilled = False
         self.running.remove(sub)
@@ -318,13 +316,3 @@ class Scheduler:
             sub.emit(Event([], "", "error", sub.req.stats if sub.req else None, error, status))
         if self.metrics and sub.req is not None:
             self.metrics.observe_finish(sub)
-
-
-def _tokens(req: Request) -> list[int]:
-    """Everything a request's cache will hold, and then its last token (the next round's input)."""
-    return req.prompt_ids + req.output_ids
-
-
-def _unfilled(req: Request) -> int:
-    """Tokens still to prefill: all but the last, minus what the cache holds."""
-    return len(req.prompt_ids) + len(req.output_ids) - 1 - req.kv.length
