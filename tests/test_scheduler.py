@@ -6,6 +6,7 @@ import pytest
 from selfspec import Engine, SamplingParams, SpecConfig
 from selfspec.decoding.policy import SpecOverride
 from selfspec.errors import SelfspecError
+from selfspec.serving import scheduler as scheduler_module
 from selfspec.serving.scheduler import QueueFull, Scheduler, Submission
 
 SYSTEM = "You are a terse assistant. Answer in one short sentence, no more than twelve words. " * 3
@@ -149,6 +150,27 @@ def test_chunked_prefill_lets_running_streams_keep_their_pace(tiny_checkpoint):
     assert chunks >= 299 // 48
     while sched.running:
         sched.iteration()
+    assert tokens_of(events["late"]) == expected
+
+
+def test_a_deep_prefix_hit_starts_with_one_block(tiny_checkpoint, monkeypatch):
+    """Behind a cached prefix deeper than DEEP_PREFIX, the first chunk is one block (its tokens attend to
+    the whole prefix); the output still equals an isolated run."""
+    monkeypatch.setattr(scheduler_module, "DEEP_PREFIX", 32)
+    engine = Engine.from_pretrained(str(tiny_checkpoint))
+    shared = [5 + i % 200 for i in range(96)]
+    sched = Scheduler(engine)
+    events = {}
+    run_all(sched, [Submission(shared + [7], greedy(2), collector(events, "first"))], events)
+    prompt = shared + list(range(20, 120))
+    expected = engine.generate(prompt, greedy(4), speculation=None).token_ids
+    sched.submit(Submission([7, 8, 9], greedy(40), collector(events, "stream")))
+    sched.iteration()
+    late = Submission(prompt, greedy(4), collector(events, "late"))
+    sched.submit(late)
+    sched.iteration()
+    assert late.req.kv.length == len(shared) + engine.cache.block_size
+    run_all(sched, [], events)
     assert tokens_of(events["late"]) == expected
 
 

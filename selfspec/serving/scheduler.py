@@ -31,13 +31,19 @@ from .prefix_cache import PrefixCache
 # While requests are decoding, an iteration runs their round and then prefill chunks of at most
 # PREFILL_BUDGET tokens in all (less the decode rows' tokens) and about PREFILL_SECONDS of work, so a
 # stream's gap between two rounds stays near one round + PREFILL_SECONDS however long a new prompt is.
-# (Sizing chunks to fill a fixed iteration time instead measured worse: decode rounds vary, and a slow
+# (Measured with a 7,000-token prompt beside a stream at 2 threads: largest gap 0.37-0.48 s at 0.15 s,
+# 0.50-0.73 s at 0.25 s; the prompt itself took 69-83 s, sharing each iteration with the stream.
+# Sizing chunks to fill a fixed iteration time instead measured worse: decode rounds vary, and a slow
 # one after a long chunk made the largest gap.) With nothing decoding, chunks of IDLE_PREFILL_SECONDS
 # keep prefill efficient while a request that arrives meanwhile still gets in within about that.
 PREFILL_BUDGET = 256
-PREFILL_SECONDS = 0.25
+PREFILL_SECONDS = 0.15
 IDLE_PREFILL_SECONDS = 2.0
-FIRST_CHUNK = 64  # before a request's prefill rate is known
+# A prompt's first chunk, before its prefill rate is known. After a prefix-cache hit deeper than
+# DEEP_PREFIX tokens, one block instead: each of its tokens attends to every cached one (64 tokens at
+# depth 2,000 cost about 0.25 s here by the SDPA and linear timings, more than a chunk's budget).
+FIRST_CHUNK = 64
+DEEP_PREFIX = 512
 
 
 class QueueFull(SelfspecError):
@@ -225,7 +231,7 @@ class Scheduler:
         """Prefill tokens that fit `seconds` at the rate of this request's last chunk (a chunk costs more
         the deeper it lies: attention reads every earlier token, so the last rate is the best guess)."""
         if sub.prefill_rate is None:
-            return FIRST_CHUNK
+            return FIRST_CHUNK if sub.req.kv.length <= DEEP_PREFIX else self.cache.block_size
         return max(int(sub.prefill_rate * seconds), self.cache.block_size)
 
     def _fits(self, plan: dict[int, int]) -> bool:
