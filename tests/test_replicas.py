@@ -212,6 +212,10 @@ def kill_replica(index: int) -> None:
 
 def test_killed_replica_fails_cleanly_and_comes_back(served):
     home = replica_for(chat_body("victim"))
+    idle = scrape(served)  # the earlier tests' requests have all been released: nothing in flight, none down
+    for i in ("0", "1"):
+        assert idle[("selfspec_router_in_flight", (("replica", i),))] == 0, idle
+        assert idle[("selfspec_router_replica_down", (("replica", i),))] == 0, idle
     streamed: list[str] = []
     first_chunk = threading.Event()
 

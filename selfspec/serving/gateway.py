@@ -15,7 +15,7 @@ from typing import AsyncIterator, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.background import BackgroundTask
 
 from .auth import ApiKeyAuth, protected_paths
@@ -60,6 +60,21 @@ class Gateway:
             ["replica"],
             registry=self.registry,
         )
+        in_flight = Gauge(
+            "selfspec_router_in_flight",
+            "Requests the gateway has sent to each replica and not yet seen finish (the router's load)",
+            ["replica"],
+            registry=self.registry,
+        )
+        down = Gauge(
+            "selfspec_router_replica_down",
+            "1 while the router skips a replica that failed, until it answers again",
+            ["replica"],
+            registry=self.registry,
+        )
+        for i in range(len(replicas)):  # read from the router at each scrape
+            in_flight.labels(str(i)).set_function(lambda i=i: self.router.in_flight[i])
+            down.labels(str(i)).set_function(lambda i=i: float(self.router.down[i]))
         self._probes: set[asyncio.Task] = set()  # held: the event loop keeps only weak references to tasks
 
     async def handle(self, request: Request) -> Response:
