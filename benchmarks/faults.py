@@ -9,7 +9,9 @@ one after the other, and faces the same faults:
   max_tokens (8,080) could fill the whole KV cache, beside the same request alone (target <= 2 s);
 - big body: the time to the answer to a 50 MB body (target: a 413 within 0.5 s) and the server's RSS
   after it (target <= +100 MB);
-- load: output tokens/s at 16 streaming clients (no worse than before).
+- load: output tokens/s at 16 streaming clients (no worse than before);
+- single: one streaming client's output tokens/s (200 tokens, speculation off and the default), the
+  server's pace where nothing else competes.
 Writes benchmarks/results/serving_faults.{json,md}."""
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from machine import describe, markdown  # noqa: E402
 LONG_PROMPT_TOKENS = 7000
 BODY_BYTES = 50 * 2**20
 HOG_MAX_TOKENS = 8080
+SINGLE_TOKENS = 200
 TIMEOUT = 90.0  # seconds a fault may take before it is reported as "> TIMEOUT"
 # The long prompt alone takes ~40 s here; admitted beside a stream it shares every iteration with that
 # stream's rounds, so it takes about twice that.
@@ -186,6 +189,19 @@ def load(url: str, prompts: list[str], clients: int = 16, max_tokens: int = 64) 
     return {"clients": clients, "output_tokens_per_second": clients * max_tokens / wall, "wall_seconds": wall}
 
 
+def single(url: str) -> dict:
+    out = {}
+    for mode, spec in (("plain", {"enabled": False}), ("default", None)):
+        stamps: list[float] = []
+        request = body("Write a long story about a lighthouse.", SINGLE_TOKENS, True)
+        if spec is not None:
+            request["speculative"] = spec
+        stream(url, request, stamps)
+        # from the first text chunk to the last: decoding only (no prefill)
+        out[f"{mode}_tokens_per_second"] = SINGLE_TOKENS / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+    return out
+
+
 def run(trees: dict[str, Path], threads: int, out: Path) -> None:
     from decode import dev_prompts
 
@@ -201,6 +217,7 @@ def run(trees: dict[str, Path], threads: int, out: Path) -> None:
                 ("hog", lambda: hog(server.url)),
                 ("big_body", lambda: big_body(server)),
                 ("load", lambda: load(server.url, prompts)),
+                ("single", lambda: single(server.url)),
             ):
                 r[fault] = fn()
                 print(f"  {fault}: {r[fault]}", flush=True)
@@ -244,6 +261,8 @@ def _markdown(report: dict) -> str:
         ("50 MB body: time to the answer (s; target <= 0.5)", "big_body", "seconds"),
         ("RSS before / after it (MB; target <= +100)", "big_body", None),
         ("16 streaming clients: output tok/s", "load", "output_tokens_per_second"),
+        ("one streaming client, speculation off: output tok/s", "single", "plain_tokens_per_second"),
+        ("one streaming client, the default policy: output tok/s", "single", "default_tokens_per_second"),
     ]
     lines = [
         "# Serving under faults",

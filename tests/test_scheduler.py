@@ -1,6 +1,8 @@
 """Continuous batching without HTTP: batched rounds equal isolated runs (fp32 greedy), prefix caching,
 admission by current need, preemption, chunked prefill, cancellation, and cache hygiene."""
 
+import threading
+
 import pytest
 
 from selfspec import Engine, SamplingParams, SpecConfig
@@ -172,6 +174,29 @@ def test_a_deep_prefix_hit_starts_with_one_block(tiny_checkpoint, monkeypatch):
     assert late.req.kv.length == len(shared) + engine.cache.block_size
     run_all(sched, [], events)
     assert tokens_of(events["late"]) == expected
+
+
+def test_the_loop_can_run_on_the_callers_thread(tiny_checkpoint):
+    """What `selfspec serve` does (Scheduler.run says why): start() then spawns no thread, run() serves
+    on the calling thread and returns once stop() is called from another."""
+    engine = Engine.from_pretrained(str(tiny_checkpoint))
+    expected = engine.generate([5, 6, 7], greedy(8), speculation=None).token_ids
+    sched = Scheduler(engine)
+    sched.on_caller_thread = True
+    sched.start()
+    assert sched._thread is None
+    events, threads = {}, set()
+    collect = collector(events, "a")
+
+    def emit(ev) -> None:
+        threads.add(threading.current_thread())
+        collect(ev)
+        if ev.finish_reason:
+            threading.Thread(target=sched.stop).start()
+
+    sched.submit(Submission([5, 6, 7], greedy(8), emit))
+    sched.run()
+    assert threads == {threading.current_thread()} and tokens_of(events["a"]) == expected
 
 
 def test_requests_that_can_never_be_served_are_refused_at_submit(tiny_checkpoint):

@@ -173,10 +173,44 @@ def _body(args) -> int:
         f"selfspec serving {args.served_model_name or args.model!r} on http://{args.host}:{args.port}/v1 ({auth})",
         file=sys.stderr,
     )
+    return _serve(server, app.state.scheduler)
+
+
+def _serve(server, scheduler) -> int:
+    """The scheduler's loop on the main thread (Scheduler.run says why), uvicorn on another; the main
+    thread also takes the signals, which start the server's graceful shutdown."""
+    import signal
+    import threading
+
+    from uvicorn.server import HANDLED_SIGNALS
+
+    failure: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run()
+        except BaseException as e:  # uvicorn exits with SystemExit when it cannot bind, for one
+            failure.append(e)
+        finally:
+            scheduler.stop()  # lifespan shutdown did it already, unless uvicorn never started
+
+    def on_signal(sig, _frame) -> None:
+        server.request_shutdown()
+        if not server.started:  # nothing to drain yet (and no event loop to drain on, early on)
+            server.should_exit = True
+
+    scheduler.on_caller_thread = True
+    previous = {sig: signal.signal(sig, on_signal) for sig in HANDLED_SIGNALS}
+    web = threading.Thread(target=http, name="selfspec-http")
+    web.start()
     try:
-        server.run()
+        scheduler.run()
     finally:
-        app.state.scheduler.stop()  # normally done at lifespan shutdown already; joins the thread either way
+        web.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failure:
+        raise failure[0]
     return 0
 
 
