@@ -56,6 +56,7 @@ def start_server(engine: Engine, max_batch_size: int):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(engine, served_model_name="default", max_batch_size=max_batch_size, max_waiting=256)
+    app.state.scheduler.on_caller_thread = True  # main() runs it, on the main thread as `selfspec serve` does
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -65,7 +66,7 @@ def start_server(engine: Engine, max_batch_size: int):
                 break
         except httpx.HTTPError:
             time.sleep(0.05)
-    return server, url
+    return server, url, app.state.scheduler
 
 
 def one_request(url: str, body: dict) -> dict:
@@ -159,7 +160,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained("default", dtype=args.dtype, kv_cache_tokens=32768)
-    server, url = start_server(engine, max_batch_size=16)
+    server, url, scheduler = start_server(engine, max_batch_size=16)
     prompts = [q["turns"][0] for q in dev_prompts(32) if len(q["turns"][0]) < 1500]
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = {
@@ -168,19 +169,33 @@ def main() -> None:
         "policy": None,
     }
     rows = []
-    for clients in levels:  # modes interleaved per level, so drift hits all of them alike
-        for mode, spec in modes.items():
-            r = run_level(url, prompts, clients, args.requests_per_client, args.max_tokens, spec)
-            r["mode"] = mode
-            rows.append(r)
-            acc = "" if r["acceptance"] is None else f" acceptance {r['acceptance']:.2f}"
-            print(
-                f"{mode:6s} x{clients:2d}: {r['output_tokens_per_second']:6.1f} tok/s  "
-                f"TTFT p50 {r['ttft_p50_ms']:6.0f} ms "
-                f"p99 {r['ttft_p99_ms']:6.0f} ms  ITL p50 {r['itl_p50_ms']:5.0f} ms p99 {r['itl_p99_ms']:5.0f} ms{acc}",
-                flush=True,
-            )
-    server.should_exit = True
+
+    def clients_run() -> None:
+        try:
+            for clients in levels:  # modes interleaved per level, so drift hits all of them alike
+                for mode, spec in modes.items():
+                    # Every mode sends the same prompts: without this, the modes after the first would
+                    # find their prompts in the prefix cache. (The scheduler is idle between levels.)
+                    if scheduler.prefix is not None:
+                        scheduler.prefix.clear()
+                    r = run_level(url, prompts, clients, args.requests_per_client, args.max_tokens, spec)
+                    r["mode"] = mode
+                    rows.append(r)
+                    acc = "" if r["acceptance"] is None else f" acceptance {r['acceptance']:.2f}"
+                    print(
+                        f"{mode:6s} x{clients:2d}: {r['output_tokens_per_second']:6.1f} tok/s  "
+                        f"TTFT p50 {r['ttft_p50_ms']:6.0f} ms p99 {r['ttft_p99_ms']:6.0f} ms  "
+                        f"ITL p50 {r['itl_p50_ms']:5.0f} ms p99 {r['itl_p99_ms']:5.0f} ms{acc}",
+                        flush=True,
+                    )
+        finally:
+            server.should_exit = True
+            scheduler.stop()
+
+    workload = threading.Thread(target=clients_run)
+    workload.start()
+    scheduler.run()  # until the clients are done
+    workload.join()
     policy = engine.policy
     result = {
         "benchmark": "serving",
