@@ -200,7 +200,8 @@ def _serve(server, scheduler) -> int:
             server.should_exit = True
 
     scheduler.on_caller_thread = True
-    previous = {sig: signal.signal(sig, on_signal) for sig in HANDLED_SIGNALS}
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may take signals
+    previous = {sig: signal.signal(sig, on_signal) for sig in HANDLED_SIGNALS} if main else {}
     web = threading.Thread(target=http, name="selfspec-http")
     web.start()
     try:
