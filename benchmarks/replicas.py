@@ -84,7 +84,8 @@ def serve_single(args):
     """The plain server in this process, on all --cores."""
     torch.set_num_threads(args.cores)
     engine = Engine.from_pretrained(args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
-    server, url = start_server(engine, max_batch_size=MAX_BATCH_SIZE)  # served as "default"
+    # the scheduler on a thread of its own, as in each Ray replica (see Scheduler.run for what that costs)
+    server, url, _ = start_server(engine, max_batch_size=MAX_BATCH_SIZE)  # served as "default"
     return url, "default", lambda: setattr(server, "should_exit", True)
 
 

@@ -49,14 +49,16 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def start_server(engine: Engine, max_batch_size: int):
+def start_server(engine: Engine, max_batch_size: int, loop_on_caller: bool = False):
+    """The app under uvicorn on a thread -> (server, url, scheduler). loop_on_caller: the caller runs the
+    scheduler's loop (scheduler.run(), on the main thread as `selfspec serve` does); else it gets a thread."""
     import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = create_app(engine, served_model_name="default", max_batch_size=max_batch_size, max_waiting=256)
-    app.state.scheduler.on_caller_thread = True  # main() runs it, on the main thread as `selfspec serve` does
+    app.state.scheduler.on_caller_thread = loop_on_caller
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -160,7 +162,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained("default", dtype=args.dtype, kv_cache_tokens=32768)
-    server, url, scheduler = start_server(engine, max_batch_size=16)
+    server, url, scheduler = start_server(engine, max_batch_size=16, loop_on_caller=True)
     prompts = [q["turns"][0] for q in dev_prompts(32) if len(q["turns"][0]) < 1500]
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = {
