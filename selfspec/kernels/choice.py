@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -35,6 +36,13 @@ FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOAT_BACKENDS = (OneDNN, Dense)  # preference order when nothing was measured
 QUANTIZED = {"int8": Int8, "int4": Int4}
 TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
+
+
+def cache_root() -> Path:
+    """selfspec's cache: converted models, measured kernel choices, the native build."""
+    if os.environ.get("SELFSPEC_CACHE"):
+        return Path(os.environ["SELFSPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "selfspec"
 
 
 @dataclass

@@ -18,10 +18,11 @@ from ..errors import ModelLoadError
 from ..kernels import BACKENDS, Dense, Int4, Int8, Linear
 from ..kernels.choice import KernelPlan, plan
 from ..kernels.int4 import Int4Codes
-from .attention import AttentionBatch, paged_attention, write_kv
+from .attention import AttentionBatch
 from .cache import PagedKVCache, SequenceKV
 from .config import ModelConfig
-from .rope import RopeTable, apply_rope_
+from .ops import NativePass, make_ops
+from .rope import RopeTable
 
 
 @dataclass
@@ -57,9 +58,8 @@ class DecoderModel:
         self.kernels = kernels  # the weight format and backend of every linear
         self.head = self.make_linear(head_weight)
         self.rope = RopeTable(config.rope, config.head_dim, self.dtype, self.device)
-        c = config
-        self._qkv_split = [c.num_heads * c.head_dim, 2 * c.num_kv_heads * c.head_dim]
-        self._qk_heads = c.num_heads + c.num_kv_heads
+        self.ops, note = make_ops(config, self.rope, self.dtype, self.device)  # the glue between the linears
+        kernels.reasons.append(note)
 
     def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A linear of this model's weight format and backend for weight [out, in]."""
@@ -123,10 +123,11 @@ class DecoderModel:
                 raise ValueError("forward needs the sequences (seqs) or prepared attention metadata (batch)")
             batch = cache.prepare(seqs, counts or [x.shape[1]] * x.shape[0], starts)
         h = F.embedding(x, self.embed_weight) if x.dtype == torch.long else x
-        cos, sin = self.rope.lookup(batch.positions, max(batch.kv_lens))  # [B, S, 1, head_dim]
+        state = self.ops.prepare(batch)  # what every layer's attention reads
+        y = None  # the last linear's output, not yet added to the residual stream h
         for i in range(start, end):
-            h = self._layer(i, h, cos, sin, batch, cache.layers[i])
-        return h
+            h, y = self._layer(i, h, y, batch, state, cache.layers[i])
+        return h if y is None else h + y
 
     def prefill(self, cache: PagedKVCache, seq: SequenceKV, tokens: list[int], chunk: int = 512) -> None:
         """Appends `tokens` to `seq`'s cache through all layers, `chunk` tokens per pass (which bounds the
@@ -139,32 +140,25 @@ class DecoderModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
-        h = F.rms_norm(h, (h.shape[-1],), self.norm_weight, self.config.rms_norm_eps)
+        _, h = self.ops.add_norm(h, None, self.norm_weight, self.config.rms_norm_eps)
         return self.head(h).float()
 
     def _layer(
         self,
         i: int,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        y: torch.Tensor | None,
         batch: AttentionBatch,
+        state: tuple | NativePass,
         layer_kv: torch.Tensor,
-    ) -> torch.Tensor:
-        c, w = self.config, self.layers[i]
-        b, s, hidden = h.shape
-        x = F.rms_norm(h, (hidden,), w.attn_norm, c.rms_norm_eps)
-        qkv = w.qkv(x)  # [B, S, (heads + 2 kv_heads) * head_dim]
-        qk = qkv[..., : self._qk_heads * c.head_dim].view(b, s, self._qk_heads, c.head_dim)
-        apply_rope_(qk, cos, sin)  # in place, so that k and v stay adjacent in qkv
-        q = qk[:, :, : c.num_heads].transpose(1, 2)  # [B, heads, S, head_dim]
-        kv = qkv[..., c.num_heads * c.head_dim :].reshape(b * s, 2, c.num_kv_heads, c.head_dim)
-        write_kv(layer_kv, kv.permute(1, 2, 0, 3), batch)  # [2, kv_heads, B * S, head_dim]
-        o = paged_attention(q, layer_kv, batch, c.sliding_windows[i])  # [B, heads, S, head_dim]
-        h = w.o(o.transpose(1, 2).reshape(b, s, -1), residual=h)
-        x = F.rms_norm(h, (hidden,), w.mlp_norm, c.rms_norm_eps)
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        return w.down(F.silu(gate).mul_(up), residual=h)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, y): the residual stream and the previous layer's output -> this layer's (h, y). Each
+        residual add is left to the next norm, which makes it one fused call (ops.Fused)."""
+        c, w, ops = self.config, self.layers[i], self.ops
+        h, x = ops.add_norm(h, y, w.attn_norm, c.rms_norm_eps)
+        o = ops.attend(w.qkv(x), batch, state, layer_kv, c.sliding_windows[i])  # [B, S, heads * head_dim]
+        h, x = ops.add_norm(h, w.o(o), w.mlp_norm, c.rms_norm_eps)
+        return h, w.down(ops.silu_mul(w.gate_up(x)))
 
 
 def make_linear(kernels: KernelPlan, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear:

@@ -17,7 +17,7 @@ import torch
 
 from ..device import resolve_device
 from ..errors import ModelLoadError
-from ..kernels.choice import plan
+from ..kernels.choice import cache_root, plan
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .decoder import DecoderModel, build_model
 from .gguf import cached_codes
@@ -42,12 +42,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPES)}")
-
-
-def cache_root() -> Path:
-    if os.environ.get("SELFSPEC_CACHE"):
-        return Path(os.environ["SELFSPEC_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "selfspec"
 
 
 def kernel_cache() -> Path:

@@ -1,0 +1,296 @@
+/* The decoder's glue between its linears, fused: one call per step of a layer where eager torch
+ * issues 5-15 small ops of ~5-10 us each (a 1-row decoding step spent ~10 ms of its ~40 ms there).
+ *
+ *   add_norm   h' = h + y; x = rms_norm(h') * w               (the residual add and the next norm)
+ *   silu_mul   out = silu(gate) * up                           (the MLP's activation)
+ *   attend     RoPE on q and k, k/v written to the paged cache, then attention of each query over
+ *              exactly the keys it may see, read through the block table
+ *
+ * Exactness: every row is computed on its own, by the same loop, in a fixed order (reductions keep
+ * LANES partial sums and add them in order; built with -ffp-contract=off, so no fused multiply-add),
+ * so a row's bits do not depend on how many rows share the call: a k-token verification computes
+ * each position exactly as the 1-token step would. Activations are float32 (bf = 0) or bfloat16
+ * (bf = 1, computed in float32 and rounded to nearest even where torch rounds). Single-threaded:
+ * at decoding sizes a parallel region costs more than the work. Built and loaded by native.py. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Eight floats, one AVX register (two SSE ones): GCC/Clang vector extensions, elementwise IEEE. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define LANES 8
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_as(float f, int bf) { return bf ? bf16_to_float(float_to_bf16(f)) : f; }
+
+/* Element i of an activation buffer, as float. */
+static inline float get(const void *p, int64_t i, int bf) {
+    return bf ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float v, int bf) {
+    if (bf)
+        ((uint16_t *)p)[i] = float_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* n floats from p + offset: a pointer into p itself (float32) or converted into tmp (bfloat16). */
+static inline const float *row(const void *p, int64_t offset, int64_t n, float *tmp, int bf) {
+    if (!bf) return (const float *)p + offset;
+    const uint16_t *s = (const uint16_t *)p + offset;
+    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_float(s[i]);
+    return tmp;
+}
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum8(v8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+/* A fixed-order dot product: lane l sums the products i = l (mod 8), then the lanes are added in one
+ * fixed tree, whatever the vector width the compiler emits. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8 even = {0}, odd = {0}; /* two chains: half the add latency of one */
+    int64_t i = 0;
+    for (; i + 2 * LANES <= n; i += 2 * LANES) {
+        even += load8(a + i) * load8(b + i);
+        odd += load8(a + i + LANES) * load8(b + i + LANES);
+    }
+    if (i + LANES <= n) {
+        even += load8(a + i) * load8(b + i);
+        i += LANES;
+    }
+    float s = sum8(even + odd);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* exp(x) for x in [-87, 88] to ~2 ulp (smaller x gives 0): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a
+ * degree-6 polynomial, 2^n through the exponent bits. A vector op sequence glibc's scalar expf cannot
+ * match in throughput; every lane computes the same operations, so results do not depend on position. */
+static inline v8 select8(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* exp(x) for x in [-87, 88] to ~2 ulp (smaller x gives 0): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
+ * Cephes' degree-6 polynomial, 2^n through the exponent bits. Vector code where glibc's expf is one
+ * value at a time; every lane runs the same operations, so a value does not depend on its lane. */
+static inline v8 exp8(v8 x) {
+    v8i under = x < -87.0f;
+    x = select8(under, splat8(-87.0f), x);
+    x = select8(x > 88.0f, splat8(88.0f), x);
+    v8 n = x * 1.44269504088896341f + 12582912.0f; /* rounded to an integer by the 1.5 * 2^23 shift */
+    n = n - 12582912.0f;
+    v8 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return select8(under, splat8(0.0f), p * (v8)bits);
+}
+
+static inline float exp1(float x) {
+    v8 v = {x};
+    return exp8(v)[0];
+}
+
+/* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w. */
+void add_norm(const void *h, const void *y, void *h_out, const void *w, void *x, int64_t rows, int64_t n,
+              float eps, int bf) {
+    float *t = malloc(sizeof(float) * (size_t)n);
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t o = r * n;
+        for (int64_t i = 0; i < n; i++) {
+            float v = get(h, o + i, bf);
+            if (y) {
+                v = round_as(v + get(y, o + i, bf), bf);
+                put(h_out, o + i, v, bf);
+            }
+            t[i] = v;
+        }
+        float rs = 1.0f / sqrtf(dot(t, t, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) put(x, o + i, round_as(t[i] * rs, bf) * get(w, i, bf), bf);
+    }
+    free(t);
+}
+
+/* gate_up [rows, 2 * n] (gate then up) -> out [rows, n] = silu(gate) * up. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf) {
+    float *t = malloc(sizeof(float) * (size_t)(2 * n + LANES));
+    float *act = t + n + LANES;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = row(gate_up, r * 2 * n, n, t, bf);
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            v8 x = load8(g + i);
+            v8 y = x / (exp8(-x) + 1.0f);
+            memcpy(act + i, &y, sizeof y);
+        }
+        for (; i < n; i++) act[i] = g[i] / (exp8(splat8(-g[i]))[0] + 1.0f);
+        for (i = 0; i < n; i++) put(out, r * n + i, round_as(act[i], bf) * get(gate_up, r * 2 * n + n + i, bf), bf);
+    }
+    free(t);
+}
+
+/* out [dim] = sum over keys k of p[k] * v_k, v_k the cache's row `base + slot[k]`. The accumulators stay
+ * in registers for the head sizes that matter (dim a constant after inlining: 64, 128). */
+static inline __attribute__((always_inline)) void weigh(const float *p, int64_t n, const int64_t *slot,
+                                                        const void *kv, int64_t base, int64_t dim, float *kt,
+                                                        float *out, int bf) {
+    v8 acc[16] = {{0}};
+    int64_t vectors = dim / LANES;
+    for (int64_t k = 0; k < n; k++) {
+        const float *v = row(kv, (base + slot[k]) * dim, dim, kt, bf);
+        v8 w = splat8(p[k]);
+        for (int64_t i = 0; i < vectors; i++) acc[i] += w * load8(v + i * LANES);
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)dim);
+}
+
+static void weighted_sum(const float *p, int64_t n, const int64_t *slot, const void *kv, int64_t base, int64_t dim,
+                         float *kt, float *out, int bf) {
+    if (dim == 64)
+        weigh(p, n, slot, kv, base, 64, kt, out, bf);
+    else if (dim == 128)
+        weigh(p, n, slot, kv, base, 128, kt, out, bf);
+    else if (dim % LANES == 0 && dim <= 16 * LANES)
+        weigh(p, n, slot, kv, base, dim, kt, out, bf);
+    else { /* any other head size: one value at a time */
+        for (int64_t i = 0; i < dim; i++) out[i] = 0.0f;
+        for (int64_t k = 0; k < n; k++) {
+            const float *v = row(kv, (base + slot[k]) * dim, dim, kt, bf);
+            for (int64_t i = 0; i < dim; i++) out[i] += p[k] * v[i];
+        }
+    }
+}
+
+/* x [dim] <- x * cos + roll(x, dim / 2) * sin_signed, each product and the sum rounded as torch's
+ * in-place ops round them (rope.apply_rope_), so the rotated bits equal the eager path's. */
+static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t dim, float *t, int bf) {
+    int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++) t[i] = get(p, o + i, bf);
+    for (int64_t i = 0; i < dim; i++) {
+        float a = round_as(t[i] * get(cos, i, bf), bf);
+        float b = round_as(t[(i + half) % dim] * get(sin, i, bf), bf);
+        put(p, o + i, a + b, bf);
+    }
+}
+
+/* One forward pass's attention for one layer.
+ *   qkv         [batch * seq_len, (heads + 2 * kv_heads) * dim]: q, k, v of each row; q and k are rotated
+ *               in place
+ *   cos, sin    [positions, dim] RoPE tables (sin carries rotate_half's sign)
+ *   kv          the layer's cache [2, kv_heads, slots, dim] (slots = blocks * block_size)
+ *   positions   [batch * seq_len] each row's position; write_slots [batch * seq_len] where its k/v go
+ *   tables      [batch, max_blocks] each sequence's blocks; num_tokens [batch] its real rows (the rest
+ *               of its seq_len rows are padding: written to their slot, output zero)
+ *   out         [batch * seq_len, heads * dim]
+ * A row at position p attends to keys [max(0, p + 1 - window), p] (window 0: no window). */
+void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots, const int64_t *positions,
+            const int64_t *write_slots, const int64_t *tables, int64_t max_blocks, int64_t block_size,
+            const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
+            int64_t dim, int64_t window, float scale, int bf) {
+    int64_t rows = batch * seq_len, width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] + 1 > longest) longest = positions[r] + 1;
+    int64_t stride = longest + LANES, queries = seq_len * group; /* queries of one sequence and kv head */
+    float *t = malloc(sizeof(float) * (size_t)(2 * dim + queries * (dim + stride)));
+    float *kt = t + dim, *q = kt + dim, *p = q + queries * dim;
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)longest);
+    size_t elem = bf ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t pos = positions[r];
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++)
+            rope(qkv, r * width + hd * dim, (const char *)cos + pos * dim * elem,
+                 (const char *)sin + pos * dim * elem, dim, t, bf);
+        for (int64_t g = 0; g < kv_heads; g++) {
+            char *src = (char *)qkv + (r * width + (heads + g) * dim) * elem;
+            memcpy((char *)kv + ((g * slots) + write_slots[r]) * dim * elem, src, dim * elem);
+            memcpy((char *)kv + (((kv_heads + g) * slots) + write_slots[r]) * dim * elem,
+                   src + kv_heads * dim * elem, dim * elem);
+        }
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        int64_t first = b * seq_len, m = num_tokens[b];
+        for (int64_t r = first + m; r < first + seq_len; r++) /* padding rows */
+            for (int64_t i = 0; i < heads * dim; i++) put(out, r * heads * dim + i, 0.0f, bf);
+        if (m == 0) continue;
+        int64_t lo = INT64_MAX, hi = 0, begin[m], end[m]; /* row j reads keys [begin[j], end[j]) */
+        for (int64_t j = 0; j < m; j++) {
+            end[j] = positions[first + j] + 1;
+            begin[j] = window > 0 && end[j] > window ? end[j] - window : 0;
+            if (begin[j] < lo) lo = begin[j];
+            if (end[j] > hi) hi = end[j];
+        }
+        const int64_t *table = tables + b * max_blocks;
+        for (int64_t k = lo; k < hi;) { /* key k's cache slot, block by block (no division per key) */
+            int64_t block = table[k / block_size], off = k % block_size;
+            for (; off < block_size && k < hi; off++, k++) slot[k - lo] = block * block_size + off;
+        }
+        for (int64_t g = 0; g < kv_heads; g++) { /* the sequence's rows and the group's heads share each key read */
+            float top[m * group];
+            for (int64_t j = 0; j < m; j++)
+                for (int64_t h = 0; h < group; h++) {
+                    int64_t at = (j * group + h) * dim;
+                    const float *qh = row(qkv, (first + j) * width + (g * group + h) * dim, dim, q + at, bf);
+                    if (qh != q + at) memcpy(q + at, qh, sizeof(float) * (size_t)dim);
+                    top[j * group + h] = -INFINITY;
+                }
+            for (int64_t k = lo; k < hi; k++) {
+                const float *key = row(kv, (g * slots + slot[k - lo]) * dim, dim, kt, bf);
+                for (int64_t j = 0; j < m; j++) {
+                    if (k < begin[j] || k >= end[j]) continue;
+                    for (int64_t h = 0; h < group; h++) {
+                        int64_t i = j * group + h;
+                        float s = dot(q + i * dim, key, dim) * scale;
+                        p[i * stride + k - begin[j]] = s;
+                        top[i] = s > top[i] ? s : top[i];
+                    }
+                }
+            }
+            for (int64_t j = 0; j < m; j++) /* softmax, in vectors counted from the row's own first key */
+                for (int64_t h = 0; h < group; h++) {
+                    int64_t i = j * group + h, n = end[j] - begin[j];
+                    float *pi = p + i * stride, acc[dim];
+                    for (int64_t k = n; k < n + LANES; k++) pi[k] = -INFINITY; /* the last vector's padding */
+                    v8 sum = {0};
+                    for (int64_t k = 0; k < n; k += LANES) {
+                        v8 e = exp8(load8(pi + k) - top[i]);
+                        memcpy(pi + k, &e, sizeof e);
+                        sum += e;
+                    }
+                    float total = sum8(sum);
+                    weighted_sum(pi, n, slot + begin[j] - lo, kv, (kv_heads + g) * slots, dim, kt, acc, bf);
+                    for (int64_t d = 0; d < dim; d++)
+                        put(out, (first + j) * heads * dim + (g * group + h) * dim + d, acc[d] / total, bf);
+                }
+        }
+    }
+    free(slot);
+    free(t);
+}

@@ -1,0 +1,117 @@
+"""The fused glue ops of native.c (residual add + RMSNorm, SiLU * up, RoPE + cache write + attention),
+compiled on first use with the machine's C compiler and called through ctypes.
+
+Built once per source, compiler and CPU into the selfspec cache (`native/<key>/libselfspec.so`), so a
+copied cache from another machine builds again. Where no compiler works, `library()` returns None and
+`unavailable()` says why; the model then runs its eager torch ops (the reference). `SELFSPEC_NATIVE=0`
+forces the reference."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from .choice import cache_root
+
+SOURCE = Path(__file__).with_name("native.c")
+# -ffp-contract=off: no fused multiply-add, so each product and sum rounds as the source says (native.c).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_reason: list[str] = []
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode()).hexdigest()
+    out = cache_root() / "native" / key[:16] / "libselfspec.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, then moved: concurrent builds are safe
+        part = Path(tmp) / out.name
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        os.replace(part, out)
+    return out
+
+
+class Native:
+    """The compiled library; each method takes contiguous CPU tensors of one activation dtype."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int]
+        lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int]
+        lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int]
+        for fn in (lib.add_norm, lib.silu_mul, lib.attend):
+            fn.restype = None
+        self.lib, self.path = lib, path
+
+    def add_norm(
+        self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [..., n] (+ y [..., n]) -> (h + y, rms_norm(h + y) * weight), each a new tensor."""
+        n = h.shape[-1]
+        out = torch.empty_like(h) if y is not None else h
+        x = torch.empty_like(h)
+        self.lib.add_norm(
+            h.data_ptr(),
+            None if y is None else y.data_ptr(),
+            out.data_ptr(),
+            weight.data_ptr(),
+            x.data_ptr(),
+            h.numel() // n,
+            n,
+            eps,
+            DTYPES[h.dtype],
+        )
+        return out, x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2n] -> silu(gate) * up [..., n]."""
+        n = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], n)
+        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, DTYPES[gate_up.dtype])
+        return out
+
+
+@cache
+def library() -> Native | None:
+    """The compiled library, or None (then `unavailable()` says why)."""
+    if os.environ.get("SELFSPEC_NATIVE", "1") == "0":
+        _reason.append("SELFSPEC_NATIVE=0")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        _reason.append("no C compiler (cc, gcc or clang) on PATH")
+        return None
+    try:
+        return Native(_build(compiler))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _reason.append(f"building native.c failed: {str(e).splitlines()[0]}")
+        return None
+
+
+def unavailable() -> str | None:
+    """Why the native ops are not in use (None: they are)."""
+    return None if library() is not None else _reason[-1]

@@ -1,0 +1,156 @@
+"""The decoder's glue between its linears: residual add + RMSNorm, SiLU * up, and RoPE + cache write +
+attention. `Eager` is the torch reference (any device); `Fused` runs the same steps as one compiled call
+each (kernels/native.c) on the CPU, where a small eager op costs ~5-10 us and a decoding step issues
+~20 of them per layer. Both keep every row's bits independent of the rows beside it (see
+attention.paged_attention), so verification reproduces plain decoding exactly under either."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import native
+from .attention import ROW_EXACT_QUERIES, AttentionBatch, paged_attention, write_kv
+from .config import ModelConfig
+from .rope import RopeTable, apply_rope_
+
+
+@dataclass
+class NativePass:
+    """native.c's arguments for one pass, made once for all its layers (int64, contiguous)."""
+
+    positions: torch.Tensor  # [B * S]
+    slots: torch.Tensor  # [B * S] where each row's k, v are written
+    tables: torch.Tensor  # [B, max_blocks]
+    counts: torch.Tensor  # [B] real rows per sequence
+
+
+class Eager:
+    name = "eager"
+
+    def __init__(self, config: ModelConfig, rope: RopeTable) -> None:
+        c = config
+        self.config, self.rope = config, rope
+        self._qk = (c.num_heads + c.num_kv_heads) * c.head_dim  # q and k columns of qkv
+
+    def add_norm(
+        self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [..., n] (+ y, the last linear's output, when given) -> (the residual stream, its RMSNorm)."""
+        h = h if y is None else h + y
+        return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2 * intermediate] -> silu(gate) * up [..., intermediate]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    def prepare(self, batch: AttentionBatch) -> tuple | NativePass:
+        """What every layer's `attend` of this pass reads: here cos, sin [B, S, 1, head_dim]."""
+        return self.rope.lookup(batch.positions, max(batch.kv_lens))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        batch: AttentionBatch,
+        state: tuple | NativePass,
+        layer_kv: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """qkv [B, S, (heads + 2 kv_heads) * head_dim] -> attention output [B, S, heads * head_dim], after
+        rotating q and k and writing k, v to the cache. `state`: this pass's `prepare`."""
+        c, (cos, sin) = self.config, state
+        b, s, _ = qkv.shape
+        qk = qkv[..., : self._qk].view(b, s, c.num_heads + c.num_kv_heads, c.head_dim)
+        apply_rope_(qk, cos, sin)  # in place, so that k and v stay adjacent in qkv
+        q = qk[:, :, : c.num_heads].transpose(1, 2)  # [B, heads, S, head_dim]
+        kv = qkv[..., c.num_heads * c.head_dim :].reshape(b * s, 2, c.num_kv_heads, c.head_dim)
+        write_kv(layer_kv, kv.permute(1, 2, 0, 3), batch)  # [2, kv_heads, B * S, head_dim]
+        o = paged_attention(q, layer_kv, batch, window)  # [B, heads, S, head_dim]
+        return o.transpose(1, 2).reshape(b, s, -1)
+
+
+class Fused(Eager):
+    """native.c's kernels for the row-exact passes (decoding, verification); a long or prompt pass's
+    attention stays on torch's masked SDPA, which uses both cores and its own vectorised exp."""
+
+    name = "fused"
+
+    def __init__(self, config: ModelConfig, rope: RopeTable, lib: native.Native) -> None:
+        super().__init__(config, rope)
+        self.lib = lib
+        self._scale = 1.0 / math.sqrt(config.head_dim)  # SDPA's default
+
+    def add_norm(
+        self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lib.add_norm(h.contiguous(), None if y is None else y.contiguous(), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.lib.silu_mul(gate_up.contiguous())
+
+    def prepare(self, batch: AttentionBatch) -> tuple | NativePass:
+        """The eager state for a long or prompt pass (its attention stays on SDPA), else native.c's."""
+        b, s = batch.positions.shape
+        if b * s > ROW_EXACT_QUERIES or (s > 1 and not batch.exact):
+            return super().prepare(batch)
+        self.rope.reserve(max(batch.kv_lens))
+        return NativePass(
+            batch.positions.reshape(-1).contiguous(),
+            batch.write_slots.contiguous(),
+            batch.block_tables.contiguous(),
+            torch.tensor(batch.num_tokens, dtype=torch.long),
+        )
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        batch: AttentionBatch,
+        state: tuple | NativePass,
+        layer_kv: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        if not isinstance(state, NativePass):
+            return super().attend(qkv, batch, state, layer_kv, window)
+        c, (b, s, _) = self.config, qkv.shape
+        qkv = qkv.contiguous()
+        out = qkv.new_empty(b, s, c.num_heads * c.head_dim)
+        self.lib.lib.attend(
+            qkv.data_ptr(),
+            self.rope.cos.data_ptr(),
+            self.rope.sin_signed.data_ptr(),
+            layer_kv.data_ptr(),
+            layer_kv.shape[2] * layer_kv.shape[3],  # slots: blocks * block_size
+            state.positions.data_ptr(),
+            state.slots.data_ptr(),
+            state.tables.data_ptr(),
+            state.tables.shape[1],
+            batch.block_size,
+            state.counts.data_ptr(),
+            b,
+            s,
+            out.data_ptr(),
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            window or 0,
+            self._scale,
+            native.DTYPES[qkv.dtype],
+        )
+        return out
+
+
+def make_ops(config: ModelConfig, rope: RopeTable, dtype: torch.dtype, device: torch.device) -> tuple[Eager, str]:
+    """The fused ops where they can run (CPU, float32 / bfloat16, a working C compiler), else eager;
+    with the reason for the choice."""
+    if device.type != "cpu":
+        return Eager(config, rope), f"glue ops: eager (native.c is CPU code; this model is on {device.type})"
+    if dtype not in native.DTYPES:
+        return Eager(config, rope), f"glue ops: eager (native.c takes float32 or bfloat16, not {dtype})"
+    lib = native.library()
+    if lib is None:
+        return Eager(config, rope), f"glue ops: eager ({native.unavailable()})"
+    return Fused(config, rope, lib), "glue ops: fused (native.c)"

@@ -1,0 +1,132 @@
+"""The fused glue ops (kernels/native.c through model/ops.Fused) against the eager torch reference:
+each op alone, whole forwards on tiny models (float32 and bfloat16, sliding windows, GQA, padded
+batches), row-exactness (a k-row pass gives each row the bits of a 1-row step), and the fallback to
+eager with its reason when the library cannot be built."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfspec.kernels import native
+from selfspec.model.config import ModelConfig
+from selfspec.model.decoder import build_model
+from selfspec.model.ops import Eager, Fused
+
+from .conftest import tiny_hf_model
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native ops unavailable: {native.unavailable()}")
+
+# max |fused - eager| / max |eager|: float32 rounding (reduction order, exp polynomial), bfloat16 steps
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) <= TOLERANCE[dtype]
+
+
+def tiny(family="llama", dtype=torch.float32, **overrides):
+    hf = tiny_hf_model(family, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, **overrides)
+    return build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_and_silu_mul_match_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    h, y, w = (torch.randn(5, 200, generator=g).to(dtype) for _ in range(3))
+    s, x = native.library().add_norm(h, y, w[0], 1e-6)
+    assert torch.equal(s, h + y)
+    assert close(x, F.rms_norm(h + y, (200,), w[0], 1e-6), dtype)
+    _, x = native.library().add_norm(h, None, w[0], 1e-6)
+    assert close(x, F.rms_norm(h, (200,), w[0], 1e-6), dtype)
+    gate_up = torch.randn(5, 2 * 203, generator=g).to(dtype) * 30  # exp's range ends and an odd tail
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert close(native.library().silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def decode(model, ops, prompt: list[int], steps: int, verify: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Greedy steps after `prompt`, then one pass over the last `verify` step inputs: (step logits
+    [steps, vocab], pass logits [verify, vocab], the tokens)."""
+    model.ops = ops
+    cache = model.new_cache(256, block_size=4)
+    other = cache.allocate()
+    cache.reserve(other, 0, 9)  # another sequence's blocks first: this one's are not consecutive
+    seq = cache.allocate()
+    tokens, logits = list(prompt), []
+    model.prefill(cache, seq, prompt[:-1])
+    for _ in range(steps):
+        row = model.logits(model.forward(torch.tensor([tokens[-1:]]), cache, [seq]))[0, -1]
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+    cache.truncate(seq, len(tokens) - 1 - verify)
+    again = model.logits(model.forward(torch.tensor([tokens[-1 - verify : -1]]), cache, [seq]))[0]
+    return torch.stack(logits), again, tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", {"sliding_window": 7}), ("qwen2", {})])
+@torch.inference_mode()
+def test_forward_matches_eager_and_rows_are_exact(dtype, family, overrides):
+    model = tiny(family, dtype, **overrides)
+    assert isinstance(model.ops, Fused)
+    prompt = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    fused_steps, fused_pass, tokens = decode(model, model.ops, prompt, 12, 5)
+    eager_steps, _, eager_tokens = decode(model, Eager(model.config, model.rope), prompt, 12, 5)
+    assert close(fused_steps, eager_steps, dtype)
+    if dtype == torch.float32:
+        assert tokens == eager_tokens
+    # a 5-row pass reproduces the 1-row steps of the same positions bit for bit
+    assert torch.equal(fused_pass, fused_steps[-5:])
+
+
+@torch.inference_mode()
+def test_a_padded_batch_gives_each_row_its_single_sequence_bits():
+    model = tiny()
+    cache = model.new_cache(256, block_size=4)
+    seqs = [cache.allocate() for _ in range(3)]
+    prompts = [list(range(10, 10 + n)) for n in (9, 14, 5)]
+    for seq, p in zip(seqs, prompts):
+        model.prefill(cache, seq, p)
+    counts = [3, 1, 0]  # sequence 2 sits this pass out: all its rows are padding
+    x = torch.tensor([[7, 8, 9], [7, 0, 0], [0, 0, 0]])
+    batched = model.logits(model.forward(x, cache, seqs, counts=counts))
+    for b, (seq, n) in enumerate(zip(seqs, counts)):
+        if n == 0:
+            continue
+        cache.truncate(seq, len(prompts[b]))
+        alone = model.logits(model.forward(x[b : b + 1, :n], cache, [seq]))
+        assert torch.equal(batched[b, :n], alone[0])
+    assert torch.isfinite(batched).all()
+
+
+def run_python(code: str, **env: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+PROBE = (
+    "import torch; from selfspec.kernels import native; from selfspec.model.ops import make_ops; "
+    "from selfspec.model.config import ModelConfig; print(native.unavailable())"
+)
+
+
+def test_without_a_compiler_the_model_runs_eager_and_says_why(tmp_path):
+    assert run_python(PROBE, SELFSPEC_NATIVE="0") == "SELFSPEC_NATIVE=0"
+    why = run_python(PROBE, CC=str(tmp_path / "no-such-cc"), SELFSPEC_CACHE=str(tmp_path))
+    assert why.startswith("building native.c failed") and "no-such-cc" in why
+
+
+@torch.inference_mode()
+def test_the_eager_fallback_is_named_in_the_kernel_plan(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (cc, gcc or clang) on PATH")
+    model = tiny()
+    assert isinstance(model.ops, Eager) and not isinstance(model.ops, Fused)
+    assert "glue ops: eager (no C compiler (cc, gcc or clang) on PATH)" in model.kernels.reasons
