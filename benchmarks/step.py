@@ -2,13 +2,16 @@
 KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
 
     python benchmarks/step.py [--configs float32:auto,float32:int4,bfloat16:auto] [--queries 1,5]
-                              [--steps 40] [--repeats 5] [--threads 2] [--out benchmarks/results/step]
+                              [--ops fused,eager] [--steps 40] [--repeats 5] [--threads 2]
+                              [--out benchmarks/results/step]
 
 A step is one forward of `k` query tokens after a 300-token prompt plus the logits a decoder reads
 (the last row for k = 1, every row for a k-token verification), then a rollback to 300 positions.
 "Rest" is timed with every linear's matmul replaced by a preallocated zero tensor of its output
 shape (the library is untouched: the swap lives here), "linears" is the full step minus the rest.
-Full and stubbed steps alternate in blocks, repeated; medians are reported. Writes {out}.json/.md."""
+Full and stubbed steps alternate in blocks, repeated; medians are reported. `--ops`: the glue between
+the linears, native.c's fused calls and/or the eager torch reference, on the same loaded model.
+Writes {out}.json/.md."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe, markdown  # noqa: E402
 
 from selfspec.model.loader import load  # noqa: E402
+from selfspec.model.ops import Eager  # noqa: E402
 
 PROMPT = list(range(100, 400))  # 300 tokens
 
@@ -74,12 +78,14 @@ def per_step_ms(step, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def measure(config: str, queries: list[int], steps: int, repeats: int) -> list[dict]:
+def measure(config: str, queries: list[int], ops: list[str], steps: int, repeats: int) -> list[dict]:
     dtype, weights = config.split(":")
     model = load("default", dtype, weights).model
+    glue = {"eager": Eager(model.config, model.rope), model.ops.name: model.ops}
     rows = []
     with torch.inference_mode():
-        for k in queries:
+        for name, k in ((name, k) for name in ops if name in glue for k in queries):
+            model.ops = glue[name]
             step = step_fn(model, k)
             for _ in range(30):  # warm-up: the first forwards pay for the VM's page reclaim
                 step()
@@ -93,10 +99,10 @@ def measure(config: str, queries: list[int], steps: int, repeats: int) -> list[d
                 step()
             f, r = statistics.median(full), statistics.median(rest)
             rows.append(
-                {"config": config, "backend": model.kernels.backend, "queries": k, "step_ms": round(f, 2)}
+                {"config": config, "backend": model.kernels.backend, "ops": name, "queries": k, "step_ms": round(f, 2)}
                 | {"linears_ms": round(f - r, 2), "rest_ms": round(r, 2), "rest_runs_ms": [round(x, 2) for x in rest]}
             )
-            print(f"{config:18s} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}", flush=True)
+            print(f"{config:18s} {name:5s} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}", flush=True)
     return rows
 
 
@@ -104,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="float32:auto,float32:int4,bfloat16:auto")
     ap.add_argument("--queries", default="1,5")
+    ap.add_argument("--ops", default="fused,eager")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -111,15 +118,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     queries = [int(q) for q in args.queries.split(",")]
-    rows = [r for c in args.configs.split(",") for r in measure(c, queries, args.steps, args.repeats)]
+    ops = args.ops.split(",")
+    rows = [r for c in args.configs.split(",") for r in measure(c, queries, ops, args.steps, args.repeats)]
     machine = describe(args.threads)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
     lines = [
-        "| config | backend | queries | step ms | linears ms | rest ms |",
-        "|---|---|---|---|---|---|",
+        "| config | backend | glue ops | queries | step ms | linears ms | rest ms |",
+        "|---|---|---|---|---|---|---|",
         *(
-            f"| {r['config']} | {r['backend']} | {r['queries']} | {r['step_ms']} | {r['linears_ms']} | {r['rest_ms']} |"
+            f"| {r['config']} | {r['backend']} | {r['ops']} | {r['queries']} | {r['step_ms']} | {r['linears_ms']} "
+            f"| {r['rest_ms']} |"
             for r in rows
         ),
     ]
