@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from selfspec.kernels import BACKENDS, Int4, OneDNN
+from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, OneDNN
 from selfspec.kernels import choice as kernel_choice
 from selfspec.kernels.choice import plan
 from selfspec.kernels.int4 import quantize
@@ -39,7 +39,7 @@ def test_backend_matches_the_dense_reference(name, dtype):
     r = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
     y = lin(x, residual=r)
     ref = x.float() @ w.t() + b + r.float()
-    key = name if name in ("int8", "int4") else str(dtype)[6:]
+    key = {"native4": "int4"}.get(name, name) if name in ("int8", "int4", "native4") else str(dtype)[6:]
     assert y.dtype == dtype and y.shape == (7, 96)
     assert (y.float() - ref).abs().max() / ref.abs().max() < TOLERANCE[key]
     # The weight it really multiplies by, whatever its stored form.
@@ -108,14 +108,19 @@ def test_unpermute_rows_undoes_llama_cpp_order():
 
 def test_missing_backend_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setattr(OneDNN, "unavailable", classmethod(lambda cls, dtype: "no oneDNN in this build"))
+    monkeypatch.setattr(NativeFloat, "unavailable", classmethod(lambda cls, dtype: "no C compiler"))
     p = plan(torch.float32)
     assert p.backend == "dense" and not p.row_exact
     assert any("no oneDNN in this build" in r for r in p.reasons)
     assert any("no row-exact float32 backend" in r for r in p.reasons)
+    monkeypatch.setattr(NativeInt4, "unavailable", classmethod(lambda cls, dtype: "no C compiler"))
+    p = plan(torch.float32, "int4")
+    assert p.weights == "int4" and p.backend == "int4"
+    assert p.reasons == ["native4: no C compiler"]
     monkeypatch.setattr(Int4, "unavailable", classmethod(lambda cls, dtype: "no int4 kernel"))
     p = plan(torch.float32, "int4")
     assert p.weights == "float32" and p.backend == "dense"
-    assert p.reasons[0].startswith("int4 weights unavailable (no int4 kernel)")
+    assert p.reasons[0].startswith("int4 weights unavailable (native4: no C compiler; int4: no int4 kernel)")
 
 
 def test_plan_rejects_bad_requests():
@@ -132,7 +137,7 @@ def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
 
     def timed(linear, rows, dtype, repeats=15):
         calls.append(type(linear).name)
-        return {"onednn": 2.0, "dense": 1.0}[type(linear).name]
+        return {"onednn": 2.0, "native": 3.0, "dense": 1.0}[type(linear).name]
 
     monkeypatch.setattr(kernel_choice, "_median_ms", timed)
     monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # both exact: the timing decides
@@ -160,9 +165,8 @@ def test_a_shape_the_backend_cannot_pack_runs_dense_and_says_so():
     from .conftest import tiny_hf_model
 
     hf = tiny_hf_model("llama", vocab_size=250)
-    model = build_model(
-        ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, torch.float32, plan(torch.float32, "int4")
-    )
+    torch_int4 = kernel_choice.KernelPlan("int4", "int4", True)  # torch's kernel (native4 takes any row count)
+    model = build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, torch.float32, torch_int4)
     assert type(model.head).name == "dense" and all(type(lin).name == "int4" for lin in model.layers[0].linears())
     assert any("250x64 weight runs on dense" in r for r in model.kernels.reasons) and not model.kernels.row_exact
     cache = model.new_cache(16)

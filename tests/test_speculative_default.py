@@ -6,6 +6,7 @@ import torch
 
 from selfspec import SamplingParams, SpecConfig
 from selfspec.calibration.distribution import compare
+from selfspec.kernels import native
 
 from .conftest import dev_prompts
 
@@ -56,6 +57,8 @@ def test_active_kernels_are_row_exact(default_engine, int4_engine):
     verification as in a 1-row plain step (oneDNN prepacked fp32, int4)."""
     for engine in (default_engine, int4_engine):
         assert engine.model.kernels.row_exact, engine.model.kernels
+        # and the glue between them: native.c's fused ops where this machine can build them (test_native.py)
+        assert engine.model.ops.name == ("eager" if native.library() is None else "fused")
 
 
 def test_int4_greedy_equals_plain_on_dev_prompts(int4_engine):
@@ -64,7 +67,8 @@ def test_int4_greedy_equals_plain_on_dev_prompts(int4_engine):
     for prompt in PROMPTS[:4]:
         plain = int4_engine.generate(prompt, params, speculation=None)
         result = int4_engine.generate(prompt, params, speculation=SpecConfig(15, 3))
-        assert result.stats.backend == "int4" and result.stats.spec.rounds > 0
+        assert result.stats.weights == "int4" and result.stats.spec.rounds > 0
+        assert result.stats.ops == int4_engine.model.ops.name
         assert result.token_ids == plain.token_ids, f"diverged on {prompt[:60]!r}"
 
 

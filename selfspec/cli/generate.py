@@ -85,7 +85,7 @@ def _body(args) -> int:
         f"time to first token: {stats.time_to_first_token * 1000:.0f} ms | finish: {reason}",
         file=sys.stderr,
     )
-    print(f"--- weights: {stats.weights} on the {stats.backend} kernels", file=sys.stderr)
+    print(f"--- weights: {stats.weights} on the {stats.backend} kernels, {stats.ops} glue ops", file=sys.stderr)
     print(f"--- speculation: {stats.spec_policy}", file=sys.stderr)
     if stats.spec:
         s = stats.spec

@@ -198,6 +198,7 @@ class Engine:
                 spec_policy=decision.reason,
                 weights=self.model.kernels.weights,
                 backend=self.model.kernels.backend,
+                ops=self.model.ops.name,
             ),
         )
 

@@ -50,7 +50,7 @@ def share_embeddings(draft: DecoderModel, target: DecoderModel) -> DecoderModel:
     draft.embed_weight = target.embed_weight
     draft.norm_weight = target.norm_weight
     draft.head_weight = target.head_weight  # the float tensor only; the draft's head linear is its own
-    draft.rope = target.rope
+    draft.rope = draft.ops.rope = target.rope
     for mine, theirs in zip(draft.layers, target.layers):
         mine.attn_norm, mine.mlp_norm = theirs.attn_norm, theirs.mlp_norm
     return draft

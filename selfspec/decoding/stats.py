@@ -104,6 +104,7 @@ class DecodeStats:
     spec_policy: str = ""  # why this request speculates (or not), as decided by the policy
     weights: str = ""  # the linears' weight format (float32, bfloat16, int8, int4)
     backend: str = ""  # the kernel backend that ran them (kernels/)
+    ops: str = ""  # the glue between them: "fused" (kernels/native.c) or "eager" (torch), see model/ops.py
 
     def record_step(self, result: RoundResult, row: int, seconds: float, *, alone: bool) -> None:
         """Counts one round of this request (row `row` of `result`, which took `seconds`). A plain

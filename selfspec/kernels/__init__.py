@@ -6,8 +6,10 @@ from .base import Linear
 from .dense import Dense
 from .int4 import Int4
 from .int8 import Int8
+from .native_float import NativeFloat
+from .native_int4 import NativeInt4
 from .onednn import OneDNN
 
-BACKENDS: dict[str, type[Linear]] = {b.name: b for b in (Dense, OneDNN, Int8, Int4)}
+BACKENDS: dict[str, type[Linear]] = {b.name: b for b in (Dense, OneDNN, NativeFloat, Int8, Int4, NativeInt4)}
 
-__all__ = ["BACKENDS", "Dense", "Int4", "Int8", "Linear", "OneDNN"]
+__all__ = ["BACKENDS", "Dense", "Int4", "Int8", "Linear", "NativeFloat", "NativeInt4", "OneDNN"]

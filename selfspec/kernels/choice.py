@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import statistics
 import time
@@ -24,25 +23,21 @@ from pathlib import Path
 
 import torch
 
+from . import native
 from .base import Linear
 from .dense import Dense
 from .int4 import Int4
 from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
 from .int8 import Int8
+from .native_float import NativeFloat
+from .native_int4 import NativeInt4
 from .onednn import OneDNN
 
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FLOAT_BACKENDS = (OneDNN, Dense)  # preference order when nothing was measured
-QUANTIZED = {"int8": Int8, "int4": Int4}
+FLOAT_BACKENDS = (OneDNN, NativeFloat, Dense)  # preference order when nothing was measured
+QUANTIZED = {"int8": (Int8,), "int4": (NativeInt4, Int4)}
 TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
-
-
-def cache_root() -> Path:
-    """selfspec's cache: converted models, measured kernel choices, the native build."""
-    if os.environ.get("SELFSPEC_CACHE"):
-        return Path(os.environ["SELFSPEC_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "selfspec"
 
 
 @dataclass
@@ -78,12 +73,12 @@ def plan(
     if torch.device(device).type != "cpu":
         return _cuda_plan(dtype, weights, backend, torch.device(device))
     if weights in QUANTIZED:
-        backend = QUANTIZED[weights]
-        why = backend.unavailable(dtype)
-        if why is None:
-            return KernelPlan(weights, backend.name, backend.row_exact)
+        reasons = [f"{b.name}: {why}" for b in QUANTIZED[weights] if (why := b.unavailable(dtype))]
+        usable = [b for b in QUANTIZED[weights] if not b.unavailable(dtype)]
+        if usable:
+            return _fastest(weights, usable, dtype, sample, cache, reasons)
         fallback = _float_plan(dtype, sample, cache)
-        fallback.reasons.insert(0, f"{weights} weights unavailable ({why}): running {name} weights")
+        fallback.reasons.insert(0, f"{weights} weights unavailable ({'; '.join(reasons)}): running {name} weights")
         return fallback
     if backend is not None:
         forced = {b.name: b for b in FLOAT_BACKENDS}.get(backend)
@@ -129,12 +124,24 @@ def _float_plan(dtype: torch.dtype, sample: torch.Tensor | None, cache: Path | N
         reasons.append(
             f"no row-exact {name} backend here: speculative output may differ from plain output at near-ties"
         )
-    if len(exact) > 1 and sample is not None:
-        timings = _timings(exact, sample, dtype, cache)
-        exact.sort(key=lambda b: timings[b.name])
+    return _fastest(name, exact, dtype, sample, cache, reasons)
+
+
+def _fastest(
+    weights: str,
+    candidates: list[type[Linear]],
+    dtype: torch.dtype,
+    sample: torch.Tensor | None,
+    cache: Path | None,
+    reasons: list[str],
+) -> KernelPlan:
+    """The fastest of `candidates` on `sample` (measured, cached), or the first when nothing is timed."""
+    if len(candidates) > 1 and sample is not None:
+        timings = _timings(candidates, sample, dtype, cache)
+        candidates = sorted(candidates, key=lambda b: timings[b.name])
         reasons.append("measured ms at 1/5 rows: " + ", ".join(f"{k} {v:.3f}" for k, v in timings.items()))
-    chosen = exact[0]
-    return KernelPlan(name, chosen.name, chosen.row_exact, reasons)
+    chosen = candidates[0]
+    return KernelPlan(weights, chosen.name, chosen.row_exact, reasons)
 
 
 def machine_key() -> dict:
@@ -162,10 +169,10 @@ def _timings(
     backends: list[type[Linear]], sample: torch.Tensor, dtype: torch.dtype, cache: Path | None
 ) -> dict[str, float]:
     """Mean of the 1-row and 5-row medians (ms) per backend on `sample`, cached per machine."""
-    key = json.dumps(
-        {**machine_key(), "dtype": str(dtype), "shape": list(sample.shape), "backends": [b.name for b in backends]},
-        sort_keys=True,
-    )
+    key = {**machine_key(), "dtype": str(dtype), "shape": list(sample.shape), "backends": [b.name for b in backends]}
+    if any(b in (NativeFloat, NativeInt4) for b in backends):
+        key["native"] = native.source_key()  # another version of native.c is measured again
+    key = json.dumps(key, sort_keys=True)
     stored = _read(cache)
     if key in stored:
         return stored[key]

@@ -15,6 +15,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -293,4 +296,118 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
     }
     free(slot);
     free(t);
+}
+
+/* ---- linears: y [rows, out] = x [rows, in] @ W.T, float32 activations --------------------------------
+ * Each output column is one thread's, computed for every row by the same fixed-order loop, so a row's
+ * bits depend neither on the other rows nor on the thread count (row-exact). Up to 4 rows share each
+ * read of a weight row: a k-token verification reads the weights once per 4 tokens, not per token. */
+
+#define ROW_BLOCK 4
+
+/* w [out, in] float32, in % 16 == 0. */
+static inline __attribute__((always_inline)) void dense_rows(const float *x, const float *wo, float *y, int64_t in,
+                                                             int64_t out, int n) {
+    v8 a[ROW_BLOCK] = {{0}}, b[ROW_BLOCK] = {{0}};
+    for (int64_t i = 0; i < in; i += 2 * LANES) {
+        v8 w0 = load8(wo + i), w1 = load8(wo + i + LANES);
+        for (int r = 0; r < n; r++) {
+            a[r] += w0 * load8(x + r * in + i);
+            b[r] += w1 * load8(x + r * in + i + LANES);
+        }
+    }
+    for (int r = 0; r < n; r++) y[r * out] = sum8(a[r] + b[r]);
+}
+
+void linear_f32(const float *x, const float *w, float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const float *xr = x + r * in, *wo = w + o * in;
+            float *yr = y + r * out + o;
+            switch (rows - r) {
+            case 1: dense_rows(xr, wo, yr, in, out, 1); break;
+            case 2: dense_rows(xr, wo, yr, in, out, 2); break;
+            case 3: dense_rows(xr, wo, yr, in, out, 3); break;
+            default: dense_rows(xr, wo, yr, in, out, 4); break;
+            }
+        }
+}
+
+/* 4-bit weights in groups of 32 along `in`: per group 16 bytes, byte j holding code j in its low nibble
+ * and code j + 16 in its high one (GGUF's Q4 block order), and a float32 scale s and offset m:
+ * w = q * s + m. So x . w = sum over groups of s * (x . q) + m * sum(x): the codes are widened to
+ * float in registers, and sum(x) per group is computed once per row (xsum [rows, in / 32]). */
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* 8 bytes -> their low and high nibbles as floats; the nibbles are split after widening to 32 bits,
+ * where AVX2 has the shifts (byte vectors have none, and the compiler would go one byte at a time). */
+static inline void nibbles(const uint8_t *p, v8 *low, v8 *high) {
+#ifdef __AVX2__ /* one vpmovzxbd: the generic conversion below compiles to a byte-by-byte insert */
+    i32x8 w = (i32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    u8x8 b;
+    memcpy(&b, p, sizeof b);
+    i32x8 w = __builtin_convertvector(b, i32x8);
+#endif
+    *low = __builtin_convertvector(w & 15, v8);
+    *high = __builtin_convertvector(w >> 4, v8);
+}
+
+/* acc[r] += s_g * (x_r . q) over group g's 32 codes, for rows r < n. */
+static inline __attribute__((always_inline)) void q4_group(const float *x, const uint8_t *codes, float scale,
+                                                           v8 *acc, int64_t in, int n) {
+    v8 q0, q1, q2, q3;
+    nibbles(codes, &q0, &q2);
+    nibbles(codes + 8, &q1, &q3);
+    v8 s = splat8(scale);
+    for (int r = 0; r < n; r++) {
+        const float *xg = x + r * in;
+        v8 t = q0 * load8(xg) + q1 * load8(xg + 8);
+        t += q2 * load8(xg + 16) + q3 * load8(xg + 24);
+        acc[r] += t * s;
+    }
+}
+
+static inline __attribute__((always_inline)) void q4_rows(const float *x, const float *xsum, const uint8_t *codes,
+                                                          const float *scale, const float *offset, float *y,
+                                                          int64_t in, int64_t out, int n) {
+    int64_t groups = in / 32, g = 0;
+    v8 even[ROW_BLOCK] = {{0}}, odd[ROW_BLOCK] = {{0}}; /* two add chains: half the latency of one */
+    for (; g + 1 < groups; g += 2) {
+        q4_group(x + g * 32, codes + g * 16, scale[g], even, in, n);
+        q4_group(x + (g + 1) * 32, codes + (g + 1) * 16, scale[g + 1], odd, in, n);
+    }
+    if (g < groups) q4_group(x + g * 32, codes + g * 16, scale[g], even, in, n);
+    for (int r = 0; r < n; r++) {
+        float off = 0.0f;
+        for (g = 0; g < groups; g++) off += offset[g] * xsum[r * groups + g];
+        y[r * out] = sum8(even[r] + odd[r]) + off;
+    }
+}
+
+void linear_q4(const float *x, const uint8_t *codes, const float *scale, const float *offset, float *y, int64_t rows,
+               int64_t in, int64_t out, int threads) {
+    int64_t groups = in / 32;
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * groups));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * in + g * 32;
+            xsum[r * groups + g] = sum8((load8(xg) + load8(xg + 8)) + (load8(xg + 16) + load8(xg + 24)));
+        }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const float *xr = x + r * in, *xs = xsum + r * groups, *so = scale + o * groups, *mo = offset + o * groups;
+            const uint8_t *co = codes + o * groups * 16;
+            float *yr = y + r * out + o;
+            switch (rows - r) {
+            case 1: q4_rows(xr, xs, co, so, mo, yr, in, out, 1); break;
+            case 2: q4_rows(xr, xs, co, so, mo, yr, in, out, 2); break;
+            case 3: q4_rows(xr, xs, co, so, mo, yr, in, out, 3); break;
+            default: q4_rows(xr, xs, co, so, mo, yr, in, out, 4); break;
+            }
+        }
+    free(xsum);
 }

@@ -1,5 +1,10 @@
-"""The fused glue ops of native.c (residual add + RMSNorm, SiLU * up, RoPE + cache write + attention),
-compiled on first use with the machine's C compiler and called through ctypes.
+"""native.c: the fused glue ops (residual add + RMSNorm, SiLU * up, RoPE + cache write + attention) and
+the float32 / 4-bit linears of the `native` and `native4` backends, compiled on first use with the
+machine's C compiler and called through ctypes.
+
+The linears run their output columns on OpenMP threads (`-fopenmp`). Loaded after torch, the library
+shares torch's OpenMP runtime (the same `libgomp.so.1`), so the two never compete for cores; where the
+compiler has no OpenMP, the library is built without it and the linears run on one thread.
 
 Built once per source, compiler and CPU into the selfspec cache (`native/<key>/libselfspec.so`), so a
 copied cache from another machine builds again. Where no compiler works, `library()` returns None and
@@ -20,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from .choice import cache_root
+from .cache import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: no fused multiply-add, so each product and sum rounds as the source says (native.c).
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+OPENMP = "-fopenmp"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _reason: list[str] = []
 
@@ -38,6 +44,11 @@ def _cpu() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def source_key() -> str:
+    """Identifies this version of native.c (measurements of its kernels are kept per version)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode()).hexdigest()
@@ -47,8 +58,12 @@ def _build(compiler: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # built aside, then moved: concurrent builds are safe
         part = Path(tmp) / out.name
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(part), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
+        for flags in ([*FLAGS, OPENMP], FLAGS):
+            command = [compiler, *flags, str(SOURCE), "-o", str(part), "-lm"]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
         os.replace(part, out)
     return out
@@ -63,7 +78,9 @@ class Native:
         lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int]
         lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int]
         lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int]
-        for fn in (lib.add_norm, lib.silu_mul, lib.attend):
+        lib.linear_f32.argtypes = [p, p, p, i, i, i, ctypes.c_int]
+        lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
+        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_f32, lib.linear_q4):
             fn.restype = None
         self.lib, self.path = lib, path
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-from ..kernels import BACKENDS, Dense, Int4, Int8, Linear
+from ..kernels import BACKENDS, Dense, Int8, Linear
 from ..kernels.choice import KernelPlan, plan
 from ..kernels.int4 import Int4Codes
 from .attention import AttentionBatch
@@ -59,7 +59,8 @@ class DecoderModel:
         self.head = self.make_linear(head_weight)
         self.rope = RopeTable(config.rope, config.head_dim, self.dtype, self.device)
         self.ops, note = make_ops(config, self.rope, self.dtype, self.device)  # the glue between the linears
-        kernels.reasons.append(note)
+        if note not in kernels.reasons:
+            kernels.reasons.append(note)
 
     def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """A linear of this model's weight format and backend for weight [out, in]."""
@@ -204,11 +205,12 @@ def build_model(
 
     def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """One linear over the weights `names` stacked along the output dimension."""
-        found = [codes(n) for n in names] if codes is not None and kernels.backend == Int4.name else []
+        backend = BACKENDS[kernels.backend]
+        found = [codes(n) for n in names] if codes is not None and hasattr(backend, "from_codes") else []
         if found and all(c is not None for c in found):
             own.append(names[0])
             parts = (torch.cat(p).to(device) for p in zip(*found))  # codes, scale, zero
-            return Int4.from_codes(*parts, bias, dtype)
+            return backend.from_codes(*parts, bias, dtype)
         weight = torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
         return quantized(make_linear(kernels, weight, bias, dtype), weight, names[0])
 

@@ -17,7 +17,8 @@ import torch
 
 from ..device import resolve_device
 from ..errors import ModelLoadError
-from ..kernels.choice import cache_root, plan
+from ..kernels.cache import cache_root
+from ..kernels.choice import plan
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .decoder import DecoderModel, build_model
 from .gguf import cached_codes
