@@ -305,31 +305,71 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
 
 #define ROW_BLOCK 4
 
-/* w [out, in] float32, in % 16 == 0. */
-static inline __attribute__((always_inline)) void dense_rows(const float *x, const float *wo, float *y, int64_t in,
-                                                             int64_t out, int n) {
+/* 8 bfloat16 values -> float32 (exact: a bfloat16 is a float32's upper half). */
+static inline v8 load_bf16(const uint16_t *p) {
+#ifdef __AVX2__
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (v8)_mm256_castsi256_ps(w);
+#else
+    v8 v;
+    for (int l = 0; l < LANES; l++) v[l] = bf16_to_float(p[l]);
+    return v;
+#endif
+}
+
+/* a + b * c, fused (one rounding) where the CPU has FMA. The linears use it: their bits then differ
+ * between machines with and without FMA, but on one machine every row takes the same path. */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#ifdef __FMA__
+    return (v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
+#else
+    return a + b * c;
+#endif
+}
+
+static inline v8 weight8(const void *w, int64_t i, int bf) {
+    return bf ? load_bf16((const uint16_t *)w + i) : load8((const float *)w + i);
+}
+
+/* w [out, in] float32 or bfloat16 (bf), in % 16 == 0. */
+static inline __attribute__((always_inline)) void dense_rows(const float *x, const void *wo, float *y, int64_t in,
+                                                             int64_t out, int n, int bf) {
     v8 a[ROW_BLOCK] = {{0}}, b[ROW_BLOCK] = {{0}};
     for (int64_t i = 0; i < in; i += 2 * LANES) {
-        v8 w0 = load8(wo + i), w1 = load8(wo + i + LANES);
+        v8 w0 = weight8(wo, i, bf), w1 = weight8(wo, i + LANES, bf);
         for (int r = 0; r < n; r++) {
-            a[r] += w0 * load8(x + r * in + i);
-            b[r] += w1 * load8(x + r * in + i + LANES);
+            a[r] = fma8(a[r], w0, load8(x + r * in + i));
+            b[r] = fma8(b[r], w1, load8(x + r * in + i + LANES));
         }
     }
     for (int r = 0; r < n; r++) y[r * out] = sum8(a[r] + b[r]);
 }
 
-void linear_f32(const float *x, const float *w, float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+/* x [rows, in] float32, w [out, in] float32 (bf = 0) or bfloat16 (bf = 1) -> y [rows, out] float32. */
+void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bf,
+                  int threads) {
+    size_t elem = bf ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++)
         for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
-            const float *xr = x + r * in, *wo = w + o * in;
+            const float *xr = x + r * in;
+            const void *wo = (const char *)w + o * in * elem;
             float *yr = y + r * out + o;
-            switch (rows - r) {
-            case 1: dense_rows(xr, wo, yr, in, out, 1); break;
-            case 2: dense_rows(xr, wo, yr, in, out, 2); break;
-            case 3: dense_rows(xr, wo, yr, in, out, 3); break;
-            default: dense_rows(xr, wo, yr, in, out, 4); break;
+            int64_t n = rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK;
+            if (bf) {
+                switch (n) {
+                case 1: dense_rows(xr, wo, yr, in, out, 1, 1); break;
+                case 2: dense_rows(xr, wo, yr, in, out, 2, 1); break;
+                case 3: dense_rows(xr, wo, yr, in, out, 3, 1); break;
+                default: dense_rows(xr, wo, yr, in, out, 4, 1); break;
+                }
+            } else {
+                switch (n) {
+                case 1: dense_rows(xr, wo, yr, in, out, 1, 0); break;
+                case 2: dense_rows(xr, wo, yr, in, out, 2, 0); break;
+                case 3: dense_rows(xr, wo, yr, in, out, 3, 0); break;
+                default: dense_rows(xr, wo, yr, in, out, 4, 0); break;
+                }
             }
         }
 }
@@ -364,9 +404,8 @@ static inline __attribute__((always_inline)) void q4_group(const float *x, const
     v8 s = splat8(scale);
     for (int r = 0; r < n; r++) {
         const float *xg = x + r * in;
-        v8 t = q0 * load8(xg) + q1 * load8(xg + 8);
-        t += q2 * load8(xg + 16) + q3 * load8(xg + 24);
-        acc[r] += t * s;
+        v8 t = fma8(fma8(fma8(q0 * load8(xg), q1, load8(xg + 8)), q2, load8(xg + 16)), q3, load8(xg + 24));
+        acc[r] = fma8(acc[r], t, s);
     }
 }
 

@@ -78,9 +78,9 @@ class Native:
         lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int]
         lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int]
         lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int]
-        lib.linear_f32.argtypes = [p, p, p, i, i, i, ctypes.c_int]
+        lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
-        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_f32, lib.linear_q4):
+        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4):
             fn.restype = None
         self.lib, self.path = lib, path
 

@@ -1,6 +1,7 @@
-"""float32 weights on native.c's own linear (`linear_f32`): the weight kept as it is, each output column
-one OpenMP thread's, up to 4 rows per read of a weight row. Row-exact by construction (native.c).
-Measured against oneDNN's prepacked weights per machine (choice.py); float32 only."""
+"""float32 or bfloat16 weights on native.c's own linear (`linear_dense`): the weight kept as it is
+(a bfloat16 one is widened to float32 in registers: half the bytes of float32), float32 accumulation,
+each output column one OpenMP thread's, up to 4 rows per read of a weight row. Row-exact by
+construction (native.c). Measured against oneDNN's prepacked weights per machine (choice.py)."""
 
 from __future__ import annotations
 
@@ -21,24 +22,32 @@ class NativeFloat(Linear):
             raise RuntimeError(why)
         if self.in_features % 16:
             raise ValueError(f"native: {self.in_features} input features are not a multiple of 16")
-        self.weight = weight.to(torch.float32).contiguous()
+        self.weight = weight.to(dtype).contiguous()  # the activations' float format
         self.lib = native.library().lib
 
     @classmethod
     def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
         if torch.device(device).type != "cpu":
             return "native.c is CPU code"
-        if dtype != torch.float32:
-            return f"native float linears take float32 activations and weights, not {str(dtype)[6:]}"
+        if dtype not in native.DTYPES:
+            return f"native float linears take float32 or bfloat16, not {dtype}"
         return native.unavailable()
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * 4
+        return self.weight.numel() * self.weight.element_size()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+        x = x.to(torch.float32).contiguous()
         y = x.new_empty(x.shape[0], self.out_features)
-        rows, threads = x.shape[0], torch.get_num_threads()
-        self.lib.linear_f32(x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), rows, *self.weight.shape[::-1], threads)
-        return y
+        self.lib.linear_dense(
+            x.data_ptr(),
+            self.weight.data_ptr(),
+            y.data_ptr(),
+            x.shape[0],
+            self.in_features,
+            self.out_features,
+            native.DTYPES[self.dtype],
+            torch.get_num_threads(),
+        )
+        return y.to(self.dtype)
