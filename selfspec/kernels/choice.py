@@ -31,12 +31,13 @@ from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
 from .int8 import Int8
 from .native_float import NativeFloat
 from .native_int4 import NativeInt4
+from .native_int8 import NativeInt8
 from .onednn import OneDNN
 
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOAT_BACKENDS = (OneDNN, NativeFloat, Dense)  # preference order when nothing was measured
-QUANTIZED = {"int8": (Int8,), "int4": (NativeInt4, Int4)}
+QUANTIZED = {"int8": (NativeInt8, Int8), "int4": (NativeInt4, Int4)}
 TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
 
 
@@ -170,7 +171,7 @@ def _timings(
 ) -> dict[str, float]:
     """Mean of the 1-row and 5-row medians (ms) per backend on `sample`, cached per machine."""
     key = {**machine_key(), "dtype": str(dtype), "shape": list(sample.shape), "backends": [b.name for b in backends]}
-    if any(b in (NativeFloat, NativeInt4) for b in backends):
+    if any(b in (NativeFloat, NativeInt8, NativeInt4) for b in backends):
         key["native"] = native.source_key()  # another version of native.c is measured again
     key = json.dumps(key, sort_keys=True)
     stored = _read(cache)

@@ -450,3 +450,45 @@ void linear_q4(const float *x, const uint8_t *codes, const float *scale, const f
         }
     free(xsum);
 }
+
+/* 8-bit weights, one float32 scale per output channel: y = scale_o * (x . q_o). */
+static inline v8 load_i8(const int8_t *p) {
+#ifdef __AVX2__
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    v8 v;
+    for (int l = 0; l < LANES; l++) v[l] = (float)p[l];
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) void q8_rows(const float *x, const int8_t *qo, float scale, float *y,
+                                                          int64_t in, int64_t out, int n) {
+    v8 a[ROW_BLOCK] = {{0}}, b[ROW_BLOCK] = {{0}};
+    for (int64_t i = 0; i < in; i += 2 * LANES) {
+        v8 w0 = load_i8(qo + i), w1 = load_i8(qo + i + LANES);
+        for (int r = 0; r < n; r++) {
+            a[r] = fma8(a[r], w0, load8(x + r * in + i));
+            b[r] = fma8(b[r], w1, load8(x + r * in + i + LANES));
+        }
+    }
+    for (int r = 0; r < n; r++) y[r * out] = sum8(a[r] + b[r]) * scale;
+}
+
+/* x [rows, in] float32, codes [out, in] int8, scale [out] -> y [rows, out]; in % 16 == 0. */
+void linear_q8(const float *x, const int8_t *codes, const float *scale, float *y, int64_t rows, int64_t in,
+               int64_t out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const float *xr = x + r * in;
+            const int8_t *qo = codes + o * in;
+            float *yr = y + r * out + o;
+            switch (rows - r) {
+            case 1: q8_rows(xr, qo, scale[o], yr, in, out, 1); break;
+            case 2: q8_rows(xr, qo, scale[o], yr, in, out, 2); break;
+            case 3: q8_rows(xr, qo, scale[o], yr, in, out, 3); break;
+            default: q8_rows(xr, qo, scale[o], yr, in, out, 4); break;
+            }
+        }
+}

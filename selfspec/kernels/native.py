@@ -1,5 +1,5 @@
 """native.c: the fused glue ops (residual add + RMSNorm, SiLU * up, RoPE + cache write + attention) and
-the float32 / 4-bit linears of the `native` and `native4` backends, compiled on first use with the
+the float / 8-bit / 4-bit linears of the `native`, `native8` and `native4` backends, compiled on first use with the
 machine's C compiler and called through ctypes.
 
 The linears run their output columns on OpenMP threads (`-fopenmp`). Loaded after torch, the library
@@ -80,7 +80,8 @@ class Native:
         lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int]
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
-        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4):
+        lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
+        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4, lib.linear_q8):
             fn.restype = None
         self.lib, self.path = lib, path
 

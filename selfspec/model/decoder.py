@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-from ..kernels import BACKENDS, Dense, Int8, Linear
+from ..kernels import BACKENDS, Dense, Int8, Linear, NativeInt8
 from ..kernels.choice import KernelPlan, plan
 from ..kernels.int4 import Int4Codes
 from .attention import AttentionBatch
@@ -244,11 +244,12 @@ def build_model(
     embed = need("model.embed_tokens.weight")
     head = embed if config.tie_word_embeddings else need("lm_head.weight")
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)
-    if own and Int8.unavailable(dtype, device) is None:
+    int8 = next((b for b in (NativeInt8, Int8) if b.unavailable(dtype, device) is None), None)
+    if own and int8 is not None:
         # The 4-bit GGUFs seen keep the embedding / LM head at 6-8 bits: re-quantizing it to int4 costs
         # ~9 % relative error (it decides every token), int8 ~0.5 % for twice int4's bytes of that one weight.
-        model.head = Int8(head, None, dtype)
-        kernels.reasons.append("the LM head has no 4-bit codes in the checkpoint: int8 per channel")
+        model.head = int8(head, None, dtype)
+        kernels.reasons.append(f"the LM head has no 4-bit codes in the checkpoint: int8 per channel ({int8.name})")
     quantized(model.head, head, "lm_head.weight")
     if errors:
         worst = max(errors, key=errors.get)

@@ -1,0 +1,52 @@
+"""8-bit weights on native.c's own linear (`linear_q8`): int8 codes per output channel with one float32
+scale each (the codes of int8.py: symmetric, w = q * scale), float32 activations and accumulation.
+Each output column is one OpenMP thread's; row-exact by construction (native.c). torch's int8 kernel
+(int8.py) computes in bfloat16; choice.py measures the two per machine."""
+
+from __future__ import annotations
+
+import torch
+
+from . import native
+from .base import Linear
+
+
+class NativeInt8(Linear):
+    name = "native8"
+    row_exact = True
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__(*weight.shape, bias, dtype, weight.device)
+        why = self.unavailable(dtype, weight.device)
+        if why:
+            raise RuntimeError(why)
+        if self.in_features % 16:
+            raise ValueError(f"native8: {self.in_features} input features are not a multiple of 16")
+        w = weight.float()
+        self.scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).contiguous()  # [out], symmetric per channel
+        self.codes = torch.round(w / self.scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.lib = native.library().lib
+
+    @classmethod
+    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
+        if torch.device(device).type != "cpu":
+            return "native.c is CPU code"
+        if dtype not in native.DTYPES:
+            return f"native int8 linears take float32 or bfloat16 activations, not {dtype}"
+        return native.unavailable()
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scales[:, None]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32).contiguous()
+        y = x.new_empty(x.shape[0], self.out_features)
+        codes, scales = self.codes, self.scales
+        rows, threads = x.shape[0], torch.get_num_threads()
+        out, inn = codes.shape
+        self.lib.linear_q8(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, inn, out, threads)
+        return y.to(self.dtype)
