@@ -1,17 +1,22 @@
-/* The decoder's glue between its linears, fused: one call per step of a layer where eager torch
- * issues 5-15 small ops of ~5-10 us each (a 1-row decoding step spent ~10 ms of its ~40 ms there).
+/* selfspec's own CPU kernels.
  *
- *   add_norm   h' = h + y; x = rms_norm(h') * w               (the residual add and the next norm)
- *   silu_mul   out = silu(gate) * up                           (the MLP's activation)
- *   attend     RoPE on q and k, k/v written to the paged cache, then attention of each query over
- *              exactly the keys it may see, read through the block table
+ * The decoder's glue between its linears, fused: one call per step of a layer where eager torch
+ * issues 5-15 small ops of ~5-10 us each (a 1-row decoding step spent ~10 ms of its ~40 ms there).
+ *   add_norm      h' = h + y; x = rms_norm(h') * w            (the residual add and the next norm)
+ *   silu_mul      out = silu(gate) * up                        (the MLP's activation)
+ *   attend        RoPE on q and k, k/v written to the paged cache, then attention of each query over
+ *                 exactly the keys it may see, read through the block table
+ * The linears of the native backends (kernels/native_*.py), further down:
+ *   linear_dense  float32 / bfloat16 weights;  linear_q8  int8 per channel;  linear_q4  4-bit groups of 32
  *
  * Exactness: every row is computed on its own, by the same loop, in a fixed order (reductions keep
- * LANES partial sums and add them in order; built with -ffp-contract=off, so no fused multiply-add),
+ * LANES partial sums and add them in order; built with -ffp-contract=off, so the compiler fuses no
+ * multiply-add on its own, and the linears fuse theirs explicitly, in the same place for every row),
  * so a row's bits do not depend on how many rows share the call: a k-token verification computes
  * each position exactly as the 1-token step would. Activations are float32 (bf = 0) or bfloat16
- * (bf = 1, computed in float32 and rounded to nearest even where torch rounds). Single-threaded:
- * at decoding sizes a parallel region costs more than the work. Built and loaded by native.py. */
+ * (bf = 1, computed in float32 and rounded to nearest even where torch rounds). The glue is
+ * single-threaded (at decoding sizes a parallel region costs more than the work); the linears split
+ * their output columns over OpenMP threads. Built and loaded by native.py. */
 
 #include <math.h>
 #include <stdint.h>
