@@ -72,6 +72,11 @@ HOT_PATH = [
     "kernels/dense.py",
     "kernels/int4.py",
     "kernels/int8.py",
+    "kernels/native.py",
+    "kernels/native_float.py",
+    "kernels/native_int4.py",
+    "kernels/native_int8.py",
+    "model/ops.py",
 ]
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "eye", "linspace"}
 FACTORIES |= {"Generator"}

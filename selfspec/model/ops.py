@@ -102,7 +102,7 @@ class Fused(Eager):
             batch.positions.reshape(-1).contiguous(),
             batch.write_slots.contiguous(),
             batch.block_tables.contiguous(),
-            torch.tensor(batch.num_tokens, dtype=torch.long),
+            torch.tensor(batch.num_tokens, dtype=torch.long, device=batch.positions.device),
         )
 
     def attend(
