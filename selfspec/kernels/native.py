@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .base import Linear
 from .cache import cache_root
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -133,3 +134,30 @@ def library() -> Native | None:
 def unavailable() -> str | None:
     """Why the native ops are not in use (None: they are)."""
     return None if library() is not None else _reason[-1]
+
+
+class NativeLinear(Linear):
+    """What the native backends share: CPU only, float32 or bfloat16 activations, the compiled library,
+    and an input width that is a whole number of the kernel's vector steps (`multiple`)."""
+
+    row_exact = True  # by construction, see native.c
+    multiple = 16
+
+    def __init__(
+        self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, device
+    ) -> None:
+        super().__init__(out_features, in_features, bias, dtype, device)
+        why = self.unavailable(dtype, device)
+        if why:
+            raise RuntimeError(why)
+        if in_features % self.multiple:
+            raise ValueError(f"{self.name}: {in_features} input features are not a multiple of {self.multiple}")
+        self.lib = library().lib
+
+    @classmethod
+    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
+        if torch.device(device).type != "cpu":
+            return "native.c is CPU code"
+        if dtype not in DTYPES:
+            return f"{cls.name} takes float32 or bfloat16 activations, not {dtype}"
+        return unavailable()

@@ -8,30 +8,14 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .base import Linear
 
 
-class NativeFloat(Linear):
+class NativeFloat(native.NativeLinear):
     name = "native"
-    row_exact = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, bias, dtype, weight.device)
-        why = self.unavailable(dtype, weight.device)
-        if why:
-            raise RuntimeError(why)
-        if self.in_features % 16:
-            raise ValueError(f"native: {self.in_features} input features are not a multiple of 16")
         self.weight = weight.to(dtype).contiguous()  # the activations' float format
-        self.lib = native.library().lib
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        if torch.device(device).type != "cpu":
-            return "native.c is CPU code"
-        if dtype not in native.DTYPES:
-            return f"native float linears take float32 or bfloat16, not {dtype}"
-        return native.unavailable()
 
     @property
     def nbytes(self) -> int:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .base import Linear
 from .int4 import quantize
 
 GROUP = 32
 
 
-class NativeInt4(Linear):
+class NativeInt4(native.NativeLinear):
     name = "native4"
-    row_exact = True
+    multiple = GROUP
 
     def __init__(
         self, weight: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, *, _codes=None
@@ -25,16 +24,12 @@ class NativeInt4(Linear):
         codes, scale, zero = quantize(weight.float(), GROUP) if _codes is None else _codes  # w = (q - 8) s + z
         out_features, in_features = codes.shape
         super().__init__(out_features, in_features, bias, dtype, codes.device)
-        why = self.unavailable(dtype, codes.device)
-        if why:
-            raise RuntimeError(why)
-        if in_features % GROUP or scale.shape[1] * GROUP != in_features:
-            raise ValueError(f"native4: needs groups of {GROUP} along {in_features} input features")
+        if scale.shape[1] * GROUP != in_features:
+            raise ValueError(f"native4: needs groups of {GROUP}, not {in_features // scale.shape[1]}")
         q = codes.to(torch.uint8).view(out_features, -1, GROUP)
         self.codes = (q[..., : GROUP // 2] | q[..., GROUP // 2 :] << 4).contiguous()  # [out, groups, 16]
         self.scale = scale.float().contiguous()  # [out, groups]
         self.offset = (zero.float() - 8 * self.scale).contiguous()  # m = z - 8 s
-        self.lib = native.library().lib
 
     @classmethod
     def from_codes(
@@ -42,14 +37,6 @@ class NativeInt4(Linear):
     ) -> NativeInt4:
         """codes [out, in] in 0..15 with w = (q - 8) * scale + zero per group of 32 (int4.Int4Codes)."""
         return cls(None, bias, dtype, _codes=(codes, scale, zero))
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        if torch.device(device).type != "cpu":
-            return "native.c is CPU code"
-        if dtype not in native.DTYPES:
-            return f"native int4 linears take float32 or bfloat16 activations, not {dtype}"
-        return native.unavailable()
 
     @property
     def nbytes(self) -> int:

@@ -8,32 +8,16 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .base import Linear
 
 
-class NativeInt8(Linear):
+class NativeInt8(native.NativeLinear):
     name = "native8"
-    row_exact = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, bias, dtype, weight.device)
-        why = self.unavailable(dtype, weight.device)
-        if why:
-            raise RuntimeError(why)
-        if self.in_features % 16:
-            raise ValueError(f"native8: {self.in_features} input features are not a multiple of 16")
         w = weight.float()
         self.scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).contiguous()  # [out], symmetric per channel
         self.codes = torch.round(w / self.scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.lib = native.library().lib
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        if torch.device(device).type != "cpu":
-            return "native.c is CPU code"
-        if dtype not in native.DTYPES:
-            return f"native int8 linears take float32 or bfloat16 activations, not {dtype}"
-        return native.unavailable()
 
     @property
     def nbytes(self) -> int:
