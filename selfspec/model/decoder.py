@@ -244,6 +244,7 @@ def build_model(
     embed = need("model.embed_tokens.weight")
     head = embed if config.tie_word_embeddings else need("lm_head.weight")
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)
+    # native8 first: 1.5 ms against torch's 3.7 ms for this 49152x576 head on an AMD EPYC (AVX2).
     int8 = next((b for b in (NativeInt8, Int8) if b.unavailable(dtype, device) is None), None)
     if own and int8 is not None:
         # The 4-bit GGUFs seen keep the embedding / LM head at 6-8 bits: re-quantizing it to int4 costs
