@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ import torch
 
 from . import native
 from .base import Linear
+from .cache import cpu as cache_cpu
 from .dense import Dense
 from .int4 import Int4
 from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
@@ -147,16 +147,7 @@ def _fastest(
 
 def machine_key() -> dict:
     """What a cached measurement is valid for."""
-    cpu, flags = platform.machine(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name.strip() == "model name" and cpu == platform.machine():
-                cpu = value.strip()
-            elif name.strip() in ("flags", "Features") and not flags:
-                flags = value.strip()
-    except OSError:
-        pass
+    cpu, flags = cache_cpu()
     return {
         "cpu": cpu,
         "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],

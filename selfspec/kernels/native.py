@@ -16,17 +16,17 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
+from abc import abstractmethod
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from .base import Linear
-from .cache import cache_root
+from .cache import cache_root, cpu
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so each product and sum rounds as the
@@ -37,15 +37,6 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _reason: list[str] = []
 
 
-def _cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(keep)))
-
-
 def source_key() -> str:
     """Identifies this version of native.c (measurements of its kernels are kept per version)."""
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
@@ -53,7 +44,7 @@ def source_key() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode()).hexdigest()
+    key = hashlib.sha256("\n".join([source_key(), " ".join(FLAGS), version, *cpu()]).encode()).hexdigest()
     out = cache_root() / "native" / key[:16] / "libselfspec.so"
     if out.exists():
         return out
@@ -90,7 +81,8 @@ class Native:
     def add_norm(
         self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [..., n] (+ y [..., n]) -> (h + y, rms_norm(h + y) * weight), each a new tensor."""
+        """h [..., n] (+ y [..., n]) -> (h + y, rms_norm(h + y) * weight): new tensors, except that
+        without y the first is h itself."""
         n = h.shape[-1]
         out = torch.empty_like(h) if y is not None else h
         x = torch.empty_like(h)
@@ -154,6 +146,17 @@ class NativeLinear(Linear):
         if in_features % self.multiple:
             raise ValueError(f"{self.name}: {in_features} input features are not a multiple of {self.multiple}")
         self.lib = library().lib
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernels take and give float32 (bfloat16 activations are widened here, rounded back after)."""
+        x = x.to(torch.float32).contiguous()
+        y = x.new_empty(x.shape[0], self.out_features)
+        self.kernel(x, y, torch.get_num_threads())
+        return y.to(self.dtype)
+
+    @abstractmethod
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+        """y [rows, out] = x [rows, in] @ W.T, both float32 and contiguous, on `threads` OpenMP threads."""
 
     @classmethod
     def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:

@@ -21,17 +21,6 @@ class NativeFloat(native.NativeLinear):
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float32).contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)
-        self.lib.linear_dense(
-            x.data_ptr(),
-            self.weight.data_ptr(),
-            y.data_ptr(),
-            x.shape[0],
-            self.in_features,
-            self.out_features,
-            native.DTYPES[self.dtype],
-            torch.get_num_threads(),
-        )
-        return y.to(self.dtype)
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+        w, bf = self.weight, native.DTYPES[self.dtype]
+        self.lib.linear_dense(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], *w.shape[::-1], bf, threads)

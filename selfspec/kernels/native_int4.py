@@ -42,18 +42,9 @@ class NativeInt4(native.NativeLinear):
     def nbytes(self) -> int:
         return self.codes.numel() + (self.scale.numel() + self.offset.numel()) * 4
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float32).contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+        q, s, m = self.codes, self.scale, self.offset
+        rows, inn, out = x.shape[0], self.in_features, self.out_features
         self.lib.linear_q4(
-            x.data_ptr(),
-            self.codes.data_ptr(),
-            self.scale.data_ptr(),
-            self.offset.data_ptr(),
-            y.data_ptr(),
-            x.shape[0],
-            self.in_features,
-            self.out_features,
-            torch.get_num_threads(),
+            x.data_ptr(), q.data_ptr(), s.data_ptr(), m.data_ptr(), y.data_ptr(), rows, inn, out, threads
         )
-        return y.to(self.dtype)

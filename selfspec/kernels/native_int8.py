@@ -26,11 +26,6 @@ class NativeInt8(native.NativeLinear):
     def dequantized(self) -> torch.Tensor:
         return self.codes.float() * self.scales[:, None]
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float32).contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)
-        codes, scales = self.codes, self.scales
-        rows, threads = x.shape[0], torch.get_num_threads()
-        out, inn = codes.shape
-        self.lib.linear_q8(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, inn, out, threads)
-        return y.to(self.dtype)
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+        q, s = self.codes, self.scales
+        self.lib.linear_q8(x.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), x.shape[0], *q.shape[::-1], threads)
