@@ -16,6 +16,7 @@ from selfspec.calibration.calibrate import (
 )
 from selfspec.cli.main import main
 from selfspec.decoding.profile import Profile
+from selfspec.kernels.choice import QUANTIZED
 
 from .conftest import DEV_SET, tiny_hf_model
 from .test_model_parity import ours
@@ -225,7 +226,7 @@ def test_roofline_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
     assert set(r["k_costs"]) == {"1", "2", "3", "4"} and r["k_costs"]["1"] == 1.0
     assert r["linear_ms"] > 0 and abs(r["linear_ms"] + r["other_ms"] - r["step_ms"]) < 1e-6
     assert sum(q["backends"].values()) == sum(r["backends"].values()) and q["weight_bytes"] < r["weight_bytes"] / 4
-    assert len(q["backends"]) == 1 and set(q["backends"]) <= {"int4", "native4"}  # the measured int4 backend
+    assert len(q["backends"]) == 1 and set(q["backends"]) <= {b.name for b in QUANTIZED["int4"]}  # the measured one
     assert json.loads((tmp_path / "roof.json").read_text())["machine"]["cores"] > 0
     assert "measured / bound" in (tmp_path / "roof.md").read_text()
 

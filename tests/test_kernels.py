@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, OneDNN
+from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN
 from selfspec.kernels import choice as kernel_choice
 from selfspec.kernels.choice import plan
 from selfspec.kernels.int4 import quantize
@@ -16,6 +16,14 @@ from selfspec.model.gguf import decode, unpermute_rows
 # max |y - y_ref| / max |y_ref| per (backend, activation dtype): float32 rounding, bf16 activations,
 # int8 per-channel codes, int4 group-32 codes (against the float weight, not its own dequantized form)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "int8": 3e-2, "int4": 0.25}
+FORMAT = {
+    "int8": "int8",
+    "native8": "int8",
+    "native8i8": "int8",
+    "int4": "int4",
+    "native4": "int4",
+    "native4i8": "int4",
+}
 
 
 def weight(out=96, inn=128, seed=0):
@@ -39,7 +47,7 @@ def test_backend_matches_the_dense_reference(name, dtype):
     r = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
     y = lin(x, residual=r)
     ref = x.float() @ w.t() + b + r.float()
-    key = {"native4": "int4", "native8": "int8"}.get(name, name) if name[-1] in "48" else str(dtype)[6:]
+    key = FORMAT.get(name, str(dtype)[6:])
     assert y.dtype == dtype and y.shape == (7, 96)
     assert (y.float() - ref).abs().max() / ref.abs().max() < TOLERANCE[key]
     # The weight it really multiplies by, whatever its stored form.
@@ -113,14 +121,15 @@ def test_missing_backend_falls_back_with_a_reason(monkeypatch):
     assert p.backend == "dense" and not p.row_exact
     assert any("no oneDNN in this build" in r for r in p.reasons)
     assert any("no row-exact float32 backend" in r for r in p.reasons)
-    monkeypatch.setattr(NativeInt4, "unavailable", classmethod(lambda cls, dtype: "no C compiler"))
+    for native4 in (NativeInt4, NativeInt4Dot):
+        monkeypatch.setattr(native4, "unavailable", classmethod(lambda cls, dtype: "no C compiler"))
     p = plan(torch.float32, "int4")
     assert p.weights == "int4" and p.backend == "int4"
-    assert p.reasons == ["native4: no C compiler"]
+    assert p.reasons == ["native4i8: no C compiler", "native4: no C compiler"]
     monkeypatch.setattr(Int4, "unavailable", classmethod(lambda cls, dtype: "no int4 kernel"))
     p = plan(torch.float32, "int4")
     assert p.weights == "float32" and p.backend == "dense"
-    assert p.reasons[0].startswith("int4 weights unavailable (native4: no C compiler; int4: no int4 kernel)")
+    assert p.reasons[0].startswith("int4 weights unavailable (native4i8: no C compiler; native4: no C compiler;")
 
 
 def test_plan_rejects_bad_requests():
@@ -128,6 +137,17 @@ def test_plan_rejects_bad_requests():
         plan(torch.float32, "int3")
     with pytest.raises(ValueError, match="use --dtype bfloat16"):
         plan(torch.float32, "bfloat16")
+    with pytest.raises(ValueError, match="backend='native' is invalid for int4 weights"):
+        plan(torch.float32, "int4", backend="native")
+
+
+@pytest.mark.parametrize("weights,backend", [("int4", "native4"), ("int4", "int4"), ("int8", "native8i8")])
+def test_a_quantized_backend_can_be_forced(weights, backend):
+    """Benchmarks compare the quantized backends side by side (decode.py's dtype:weights:backend)."""
+    if BACKENDS[backend].unavailable(torch.float32):
+        pytest.skip(BACKENDS[backend].unavailable(torch.float32))
+    p = plan(torch.float32, weights, backend=backend)
+    assert (p.weights, p.backend, p.reasons) == (weights, backend, ["forced by the caller"])
 
 
 def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):

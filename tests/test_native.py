@@ -127,3 +127,31 @@ def test_the_eager_fallback_is_named_in_the_kernel_plan(monkeypatch):
     model = tiny()
     assert isinstance(model.ops, Eager) and not isinstance(model.ops, Fused)
     assert "glue ops: eager (no C compiler (cc, gcc or clang) on PATH)" in model.kernels.reasons
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] as the int8-activation kernels see it: per block of 32, q = round(x * 127 / max|x|)
+    (half to even, in float32) times max|x| / 127."""
+    b = x.view(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    q = torch.round(b * torch.where(amax > 0, 127 / amax, 0))
+    return (q.double() * (amax / 127).double()).view_as(x)
+
+
+@pytest.mark.skipif(native.library() is None or not native.library().dot_i8, reason="no AVX2 int8 dot products")
+@pytest.mark.parametrize("name", ["native4i8", "native8i8"])
+def test_int8_activation_kernels_compute_the_quantized_product(name):
+    """The kernel's output is the product of the block-quantized activations with the weights it
+    stores, up to float32 rounding: a wrong rounding, block order, scale or offset term is far off."""
+    from selfspec.kernels import BACKENDS
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 576, generator=g) * 0.05
+    x = torch.randn(6, 576, generator=g)
+    x[:, 7] *= 40  # an outlier channel, as LLM activations have: its block's scale is its own
+    x[2, 64:96] = 0  # an all-zero block
+    lin = BACKENDS[name](w, None, torch.float32)
+    expected = int8_blocks(x) @ lin.dequantized().double().t()
+    y = lin(x)
+    assert float((y.double() - expected).abs().max() / expected.abs().max()) < 1e-5
+    assert float((y.double() - x.double() @ lin.dequantized().double().t()).abs().max()) > 1e-4  # it did quantize

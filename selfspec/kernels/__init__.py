@@ -6,13 +6,26 @@ from .base import Linear
 from .dense import Dense
 from .int4 import Int4
 from .int8 import Int8
+from .native_dot import NativeInt4Dot, NativeInt8Dot
 from .native_float import NativeFloat
 from .native_int4 import NativeInt4
 from .native_int8 import NativeInt8
 from .onednn import OneDNN
 
 BACKENDS: dict[str, type[Linear]] = {
-    b.name: b for b in (Dense, OneDNN, NativeFloat, Int8, NativeInt8, Int4, NativeInt4)
+    b.name: b for b in (Dense, OneDNN, NativeFloat, Int8, NativeInt8, NativeInt8Dot, Int4, NativeInt4, NativeInt4Dot)
 }
 
-__all__ = ["BACKENDS", "Dense", "Int4", "Int8", "Linear", "NativeFloat", "NativeInt4", "NativeInt8", "OneDNN"]
+__all__ = [
+    "BACKENDS",
+    "Dense",
+    "Int4",
+    "Int8",
+    "Linear",
+    "NativeFloat",
+    "NativeInt4",
+    "NativeInt4Dot",
+    "NativeInt8",
+    "NativeInt8Dot",
+    "OneDNN",
+]

@@ -29,6 +29,7 @@ from .dense import Dense
 from .int4 import Int4
 from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
 from .int8 import Int8
+from .native_dot import NativeInt4Dot, NativeInt8Dot
 from .native_float import NativeFloat
 from .native_int4 import NativeInt4
 from .native_int8 import NativeInt8
@@ -37,7 +38,7 @@ from .onednn import OneDNN
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOAT_BACKENDS = (OneDNN, NativeFloat, Dense)  # preference order when nothing was measured
-QUANTIZED = {"int8": (NativeInt8, Int8), "int4": (NativeInt4, Int4)}
+QUANTIZED = {"int8": (NativeInt8Dot, NativeInt8, Int8), "int4": (NativeInt4Dot, NativeInt4, Int4)}
 TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
 
 
@@ -63,7 +64,8 @@ def plan(
 ) -> KernelPlan:
     """The weight format and backend for activations of `dtype` on `device`. `sample`: a weight
     [out, in] of the model to time candidates on; `cache`: where measured choices are kept; `backend`:
-    a float backend forced by name (benchmarks compare `dense`, the reference, with the chosen one)."""
+    a backend forced by name (benchmarks compare `dense`, the reference, with the chosen one, and the
+    quantized backends with each other)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r} is invalid: use one of {', '.join(WEIGHTS)}")
     name = str(dtype).replace("torch.", "")
@@ -73,6 +75,8 @@ def plan(
         )
     if torch.device(device).type != "cpu":
         return _cuda_plan(dtype, weights, backend, torch.device(device))
+    if weights in QUANTIZED and backend is not None:
+        return _forced(backend, QUANTIZED[weights], dtype, weights)
     if weights in QUANTIZED:
         reasons = [f"{b.name}: {why}" for b in QUANTIZED[weights] if (why := b.unavailable(dtype))]
         usable = [b for b in QUANTIZED[weights] if not b.unavailable(dtype)]
@@ -82,16 +86,21 @@ def plan(
         fallback.reasons.insert(0, f"{weights} weights unavailable ({'; '.join(reasons)}): running {name} weights")
         return fallback
     if backend is not None:
-        forced = {b.name: b for b in FLOAT_BACKENDS}.get(backend)
-        if forced is None:
-            raise ValueError(
-                f"backend={backend!r} is invalid for float weights: use one of {[b.name for b in FLOAT_BACKENDS]}"
-            )
-        why = forced.unavailable(dtype)
-        if why:
-            raise ValueError(f"backend {backend} cannot run {name} here: {why}")
-        return KernelPlan(name, forced.name, forced.row_exact, ["forced by the caller"])
+        return _forced(backend, FLOAT_BACKENDS, dtype, name)
     return _float_plan(dtype, sample, cache)
+
+
+def _forced(backend: str, candidates: tuple[type[Linear], ...], dtype: torch.dtype, weights: str) -> KernelPlan:
+    """The backend the caller named, if it runs `weights` with `dtype` activations here."""
+    forced = {b.name: b for b in candidates}.get(backend)
+    if forced is None:
+        raise ValueError(
+            f"backend={backend!r} is invalid for {weights} weights: use one of {[b.name for b in candidates]}"
+        )
+    why = forced.unavailable(dtype)
+    if why:
+        raise ValueError(f"backend {backend} cannot run {weights} weights with {dtype} activations here: {why}")
+    return KernelPlan(weights, forced.name, forced.row_exact, ["forced by the caller"])
 
 
 def _cuda_plan(dtype: torch.dtype, weights: str, backend: str | None, device: torch.device) -> KernelPlan:
@@ -162,7 +171,7 @@ def _timings(
 ) -> dict[str, float]:
     """Mean of the 1-row and 5-row medians (ms) per backend on `sample`, cached per machine."""
     key = {**machine_key(), "dtype": str(dtype), "shape": list(sample.shape), "backends": [b.name for b in backends]}
-    if any(b in (NativeFloat, NativeInt8, NativeInt4) for b in backends):
+    if any(issubclass(b, native.NativeLinear) for b in backends):
         key["native"] = native.source_key()  # another version of native.c is measured again
     key = json.dumps(key, sort_keys=True)
     stored = _read(cache)

@@ -497,3 +497,174 @@ void linear_q8(const float *x, const int8_t *codes, const float *scale, float *y
             }
         }
 }
+
+/* ---- int8 activations: the integer dot products of llama.cpp's Q4 x Q8 path -------------------------
+ * The activations are quantized per row in blocks of 32 (q = round(x / d), d = max|x| / 127, as
+ * llama.cpp's Q8 blocks), and each block's products with the weight codes are summed in int32 by
+ * vpmaddubsw + vpmaddwd: 32 multiply-adds in ~5 instructions, where the float path widens every code to
+ * a float first. Row-exact as above: a row's blocks, scales and sums depend on that row alone. AVX2 only
+ * (dot_i8 says whether this build has them); elsewhere the float-activation kernels run. */
+int dot_i8(void) {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX2__
+/* x [rows, in] float32 -> qx [rows, in] int8, d [rows, in / 32] (the block scales) and s [rows, in / 32]
+ * (d * sum of the block's codes: what a per-group weight offset multiplies). */
+void quantize_i8(const float *x, int8_t *qx, float *d, float *s, int64_t rows, int64_t in) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < rows * in / 32; b++) {
+        const float *p = x + b * 32;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(p + 8 * j);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i i[4];
+        for (int j = 0; j < 4; j++) /* round to nearest even (MXCSR's default mode) */
+            i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse)));
+        __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        q = _mm256_permutevar8x32_epi32(q, order); /* the packs interleave 128-bit lanes: restore order */
+        _mm256_storeu_si256((__m256i *)(qx + b * 32), q);
+        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        d[b] = scale;
+        s[b] = scale * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* 32 unsigned codes times 32 signed activations, summed in pairs and then fours: 8 int32 -> float. */
+static inline __m256 dot_u8(__m256i w, const int8_t *x) {
+    __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+/* One group's 16 bytes -> its 32 codes in order (the low nibbles are codes 0-15, the high ones 16-31). */
+static inline __m256i q4_codes(const uint8_t *p) {
+    __m128i c = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
+}
+
+static inline __attribute__((always_inline)) void q4i8_rows(const int8_t *qx, const float *d, const float *s,
+                                                            const uint8_t *codes, const float *scale,
+                                                            const float *offset, float *y, int64_t in, int64_t out,
+                                                            int n) {
+    int64_t groups = in / 32, g = 0;
+    __m256 even[ROW_BLOCK], odd[ROW_BLOCK]; /* two add chains: half the latency of one */
+    for (int r = 0; r < n; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    for (; g + 1 < groups; g += 2) {
+        __m256i w0 = q4_codes(codes + g * 16), w1 = q4_codes(codes + (g + 1) * 16);
+        for (int r = 0; r < n; r++) {
+            const int8_t *xr = qx + r * in + g * 32;
+            const float *dr = d + r * groups + g;
+            even[r] = _mm256_fmadd_ps(dot_u8(w0, xr), _mm256_set1_ps(scale[g] * dr[0]), even[r]);
+            odd[r] = _mm256_fmadd_ps(dot_u8(w1, xr + 32), _mm256_set1_ps(scale[g + 1] * dr[1]), odd[r]);
+        }
+    }
+    if (g < groups) {
+        __m256i w0 = q4_codes(codes + g * 16);
+        for (int r = 0; r < n; r++)
+            even[r] = _mm256_fmadd_ps(dot_u8(w0, qx + r * in + g * 32), _mm256_set1_ps(scale[g] * d[r * groups + g]),
+                                      even[r]);
+    }
+    for (int r = 0; r < n; r++) {
+        v8 off = {0}; /* sum over groups of m_g * d_g * sum(q_g), 8 groups at a time, then the rest */
+        const float *sr = s + r * groups;
+        for (g = 0; g + LANES <= groups; g += LANES) off = fma8(off, load8(offset + g), load8(sr + g));
+        float rest = 0.0f;
+        for (; g < groups; g++) rest += offset[g] * sr[g];
+        y[r * out] = sum8((v8)_mm256_add_ps(even[r], odd[r]) + off) + rest;
+    }
+}
+
+/* x [rows, in] float32, 4-bit codes / scale / offset as linear_q4's -> y [rows, out]; in % 32 == 0. */
+void linear_q4_i8(const float *x, const uint8_t *codes, const float *scale, const float *offset, float *y,
+                  int64_t rows, int64_t in, int64_t out, int threads) {
+    int64_t groups = in / 32;
+    int8_t *qx = malloc((size_t)(rows * in));
+    float *d = malloc(sizeof(float) * (size_t)(2 * rows * groups)), *s = d + rows * groups;
+    quantize_i8(x, qx, d, s, rows, in);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const int8_t *xr = qx + r * in;
+            const float *dr = d + r * groups, *sr = s + r * groups, *so = scale + o * groups, *mo = offset + o * groups;
+            const uint8_t *co = codes + o * groups * 16;
+            float *yr = y + r * out + o;
+            switch (rows - r) {
+            case 1: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 1); break;
+            case 2: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 2); break;
+            case 3: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 3); break;
+            default: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 4); break;
+            }
+        }
+    free(qx);
+    free(d);
+}
+
+/* Signed codes: vpmaddubsw multiplies unsigned by signed bytes, so the sign moves onto the activations
+ * (|w| * (x * sign(w)); the codes stay within -127..127, so |w| fits). */
+static inline __m256 dot_i8_i8(__m256i w, const int8_t *x) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)x);
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void q8i8_rows(const int8_t *qx, const float *d, const int8_t *qo,
+                                                            float scale, float *y, int64_t in, int64_t out, int n) {
+    int64_t groups = in / 32, g = 0;
+    __m256 even[ROW_BLOCK], odd[ROW_BLOCK];
+    for (int r = 0; r < n; r++) even[r] = odd[r] = _mm256_setzero_ps();
+    for (; g + 1 < groups; g += 2) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(qo + g * 32 + 32));
+        for (int r = 0; r < n; r++) {
+            const int8_t *xr = qx + r * in + g * 32;
+            const float *dr = d + r * groups + g;
+            even[r] = _mm256_fmadd_ps(dot_i8_i8(w0, xr), _mm256_set1_ps(dr[0]), even[r]);
+            odd[r] = _mm256_fmadd_ps(dot_i8_i8(w1, xr + 32), _mm256_set1_ps(dr[1]), odd[r]);
+        }
+    }
+    if (g < groups) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
+        for (int r = 0; r < n; r++)
+            even[r] = _mm256_fmadd_ps(dot_i8_i8(w0, qx + r * in + g * 32), _mm256_set1_ps(d[r * groups + g]), even[r]);
+    }
+    for (int r = 0; r < n; r++) y[r * out] = sum8((v8)_mm256_add_ps(even[r], odd[r])) * scale;
+}
+
+/* x [rows, in] float32, codes [out, in] int8, scale [out] -> y [rows, out]; in % 32 == 0. */
+void linear_q8_i8(const float *x, const int8_t *codes, const float *scale, float *y, int64_t rows, int64_t in,
+                  int64_t out, int threads) {
+    int64_t groups = in / 32;
+    int8_t *qx = malloc((size_t)(rows * in));
+    float *d = malloc(sizeof(float) * (size_t)(2 * rows * groups)), *s = d + rows * groups;
+    quantize_i8(x, qx, d, s, rows, in);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+            const int8_t *xr = qx + r * in;
+            const float *dr = d + r * groups;
+            float *yr = y + r * out + o;
+            switch (rows - r) {
+            case 1: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 1); break;
+            case 2: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 2); break;
+            case 3: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 3); break;
+            default: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 4); break;
+            }
+        }
+    free(qx);
+    free(d);
+}
+#endif

@@ -1,5 +1,6 @@
 """native.c: the fused glue ops (residual add + RMSNorm, SiLU * up, RoPE + cache write + attention) and
-the float / 8-bit / 4-bit linears of the `native`, `native8` and `native4` backends, compiled on first use with the
+the float / 8-bit / 4-bit linears of the `native`, `native8` and `native4` backends (and `native8i8`,
+`native4i8`: the same weights on int8 activations), compiled on first use with the
 machine's C compiler and called through ctypes.
 
 The linears run their output columns on OpenMP threads (`-fopenmp`). Loaded after torch, the library
@@ -76,6 +77,11 @@ class Native:
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
         for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4, lib.linear_q8):
             fn.restype = None
+        self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2)
+        if self.dot_i8:
+            lib.linear_q4_i8.argtypes = lib.linear_q4.argtypes
+            lib.linear_q8_i8.argtypes = lib.linear_q8.argtypes
+            lib.linear_q4_i8.restype = lib.linear_q8_i8.restype = None
         self.lib, self.path = lib, path
 
     def add_norm(
@@ -147,15 +153,24 @@ class NativeLinear(Linear):
             raise ValueError(f"{self.name}: {in_features} input features are not a multiple of {self.multiple}")
         self.lib = library().lib
 
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """A decoding step's path: contiguous float32 [..., in] in, one C call, [..., out] out. Each torch
+        op costs ~2-3 us here, several times a small kernel's own work, and a step makes ~120 calls."""
+        if residual is None and self.bias is None and x.dtype is torch.float32 and x.is_contiguous():
+            y = x.new_empty((*x.shape[:-1], self.out_features))
+            self.kernel(x, y, x.numel() // self.in_features, torch.get_num_threads())
+            return y
+        return super().__call__(x, residual)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The kernels take and give float32 (bfloat16 activations are widened here, rounded back after)."""
         x = x.to(torch.float32).contiguous()
         y = x.new_empty(x.shape[0], self.out_features)
-        self.kernel(x, y, torch.get_num_threads())
+        self.kernel(x, y, x.shape[0], torch.get_num_threads())
         return y.to(self.dtype)
 
     @abstractmethod
-    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
         """y [rows, out] = x [rows, in] @ W.T, both float32 and contiguous, on `threads` OpenMP threads."""
 
     @classmethod

@@ -21,6 +21,6 @@ class NativeFloat(native.NativeLinear):
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
         w, bf = self.weight, native.DTYPES[self.dtype]
-        self.lib.linear_dense(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], *w.shape[::-1], bf, threads)
+        self.lib.linear_dense(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, *w.shape[::-1], bf, threads)

@@ -42,9 +42,9 @@ class NativeInt4(native.NativeLinear):
     def nbytes(self) -> int:
         return self.codes.numel() + (self.scale.numel() + self.offset.numel()) * 4
 
-    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
         q, s, m = self.codes, self.scale, self.offset
-        rows, inn, out = x.shape[0], self.in_features, self.out_features
+        inn, out = self.in_features, self.out_features
         self.lib.linear_q4(
             x.data_ptr(), q.data_ptr(), s.data_ptr(), m.data_ptr(), y.data_ptr(), rows, inn, out, threads
         )

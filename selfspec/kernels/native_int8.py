@@ -26,6 +26,6 @@ class NativeInt8(native.NativeLinear):
     def dequantized(self) -> torch.Tensor:
         return self.codes.float() * self.scales[:, None]
 
-    def kernel(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
+    def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
         q, s = self.codes, self.scales
-        self.lib.linear_q8(x.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), x.shape[0], *q.shape[::-1], threads)
+        self.lib.linear_q8(x.data_ptr(), q.data_ptr(), s.data_ptr(), y.data_ptr(), rows, *q.shape[::-1], threads)
