@@ -1,7 +1,7 @@
 """Serving throughput and latency vs concurrency, speculation off / on / policy, in one run.
 
     python benchmarks/serving.py [--dtype float32] [--concurrency 1,2,4,8,16] [--max-tokens 64]
-                                 [--requests-per-client 2] [--draft-layers 24 --gamma 2]
+                                 [--requests-per-client 2] [--drafter int4 --gamma 4]
 
 Starts the server in-process on the default model, and for each mode and concurrency level runs that
 many streaming clients, each sending its requests one after another (Spec-Bench dev prompts).
@@ -145,8 +145,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--draft-layers", type=int, default=24)
-    ap.add_argument("--gamma", type=int, default=2)
+    ap.add_argument("--drafter", default="int4", help="mode `on`'s drafter (exit, int4, int8, lookup, hybrid)")
+    ap.add_argument("--draft-layers", type=int, default=None, help="mode `on`'s exit depth N (drafter exit)")
+    ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--faults", action="store_true", help="run the fault scenarios instead (benchmarks/faults.py)")
@@ -167,7 +168,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = {
         "off": {"enabled": False},
-        "on": {"enabled": True, "draft_layers": args.draft_layers, "num_speculative_tokens": args.gamma},
+        "on": {"enabled": True, "drafter": args.drafter, "num_speculative_tokens": args.gamma}
+        | ({"draft_layers": args.draft_layers} if args.draft_layers else {}),
         "policy": None,
     }
     rows = []
@@ -221,7 +223,9 @@ def main() -> None:
         markdown(result["machine"]),
         f"Default model, {args.dtype}, greedy, {args.max_tokens} output tokens per request, "
         f"{args.requests_per_client} requests per client, streaming chat requests. Modes: `off` (no speculation), "
-        f"`on` (every request asks for N={args.draft_layers}, γ={args.gamma}; the scheduler turns speculation off for "
+        f"`on` (every request asks for the {args.drafter} drafter, γ={args.gamma}"
+        + (f", N={args.draft_layers}" if args.draft_layers else "")
+        + "; the scheduler turns speculation off for "
         f"batches above the policy's max_batch_size={policy.max_batch_size}), `policy` (the default: the shipped "
         "calibration profile decides). Latencies as the clients saw them.",
         "",

@@ -15,8 +15,8 @@
  * so a row's bits do not depend on how many rows share the call: a k-token verification computes
  * each position exactly as the 1-token step would. Activations are float32 (bf = 0) or bfloat16
  * (bf = 1, computed in float32 and rounded to nearest even where torch rounds). The glue is
- * single-threaded (at decoding sizes a parallel region costs more than the work); the linears split
- * their output columns over OpenMP threads. Built and loaded by native.py. */
+ * single-threaded (at decoding sizes a parallel region costs more than the work), except attention's
+ * heads; the linears split their output columns over OpenMP threads. Built and loaded by native.py. */
 
 #include <math.h>
 #include <stdint.h>
@@ -71,6 +71,16 @@ static inline v8 load8(const float *p) {
     v8 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* a + b * c, fused (one rounding) where the CPU has FMA. The linears and attention use it: their bits then differ
+ * between machines with and without FMA, but on one machine every row takes the same path. */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#ifdef __FMA__
+    return (v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
+#else
+    return a + b * c;
+#endif
 }
 
 static inline float sum8(v8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
@@ -174,7 +184,7 @@ static inline __attribute__((always_inline)) void weigh(const float *p, int64_t 
     for (int64_t k = 0; k < n; k++) {
         const float *v = row(kv, (base + slot[k]) * dim, dim, kt, bf);
         v8 w = splat8(p[k]);
-        for (int64_t i = 0; i < vectors; i++) acc[i] += w * load8(v + i * LANES);
+        for (int64_t i = 0; i < vectors; i++) acc[i] = fma8(acc[i], w, load8(v + i * LANES));
     }
     memcpy(out, acc, sizeof(float) * (size_t)dim);
 }
@@ -208,6 +218,81 @@ static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t d
     }
 }
 
+/* q . key for 8 keys at once (lane l: keys[l]); each lane is summed by one fixed tree, the same for
+ * every lane, so a score does not depend on which 8 keys it was computed with. dim % 8 == 0. */
+static inline __attribute__((always_inline)) v8 dot8(const float *q, const float *const *keys, int64_t dim) {
+    v8 s[LANES];
+    for (int l = 0; l < LANES; l++) {
+        v8 even = {0}, odd = {0};
+        int64_t i = 0;
+        for (; i + 2 * LANES <= dim; i += 2 * LANES) {
+            even = fma8(even, load8(q + i), load8(keys[l] + i));
+            odd = fma8(odd, load8(q + i + LANES), load8(keys[l] + i + LANES));
+        }
+        if (i < dim) even = fma8(even, load8(q + i), load8(keys[l] + i));
+        s[l] = even + odd;
+    }
+#ifdef __AVX__ /* lane l = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) of s[l], by three rounds of hadd */
+    __m256 t0 = _mm256_hadd_ps((__m256)s[0], (__m256)s[1]), t1 = _mm256_hadd_ps((__m256)s[2], (__m256)s[3]);
+    __m256 t2 = _mm256_hadd_ps((__m256)s[4], (__m256)s[5]), t3 = _mm256_hadd_ps((__m256)s[6], (__m256)s[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (v8)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8 r;
+    for (int l = 0; l < LANES; l++)
+        r[l] = ((s[l][0] + s[l][1]) + (s[l][2] + s[l][3])) + ((s[l][4] + s[l][5]) + (s[l][6] + s[l][7]));
+    return r;
+#endif
+}
+
+/* Query head h (of kv head g's group) of sequence b over its keys: scores, softmax, weighted values.
+ * Each of the sequence's m real rows j reads keys [begin[j], end[j]); slot[k - lo] is key k's cache slot. */
+static void attend_head(const void *qkv, const void *kv, int64_t slots, const int64_t *slot, int64_t lo, int64_t hi,
+                        const int64_t *begin, const int64_t *end, int64_t first, int64_t m, int64_t g, int64_t h,
+                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale, void *out, int bf) {
+    int64_t group = heads / kv_heads, head = g * group + h, stride = hi - lo + LANES;
+    float *scratch = malloc(sizeof(float) * (size_t)(m * (dim + stride) + (LANES + 1) * dim + m));
+    float *q = scratch, *p = q + m * dim, *kt = p + m * stride, *acc = kt + LANES * dim, *top = acc + dim;
+    for (int64_t j = 0; j < m; j++) {
+        const float *qj = row(qkv, (first + j) * width + head * dim, dim, q + j * dim, bf);
+        if (qj != q + j * dim) memcpy(q + j * dim, qj, sizeof(float) * (size_t)dim);
+        top[j] = -INFINITY;
+    }
+    for (int64_t k = lo; k < hi; k += LANES) { /* 8 keys at a time; the rows share each key read */
+        const float *keys[LANES];
+        for (int l = 0; l < LANES; l++) { /* past the last key: the last key again, its score unused */
+            int64_t at = k + l < hi ? k + l : hi - 1;
+            keys[l] = row(kv, (g * slots + slot[at - lo]) * dim, dim, kt + l * dim, bf);
+        }
+        for (int64_t j = 0; j < m; j++) {
+            if (k + LANES <= begin[j] || k >= end[j]) continue;
+            v8 sc = (dim == 64 ? dot8(q + j * dim, keys, 64) : dot8(q + j * dim, keys, dim)) * splat8(scale);
+            float best = top[j], *pj = p + j * stride - begin[j];
+            for (int l = 0; l < LANES; l++)
+                if (k + l >= begin[j] && k + l < end[j]) {
+                    pj[k + l] = sc[l];
+                    best = sc[l] > best ? sc[l] : best;
+                }
+            top[j] = best;
+        }
+    }
+    for (int64_t j = 0; j < m; j++) { /* softmax, in vectors counted from the row's own first key */
+        int64_t n = end[j] - begin[j];
+        float *pj = p + j * stride;
+        for (int64_t k = n; k < n + LANES; k++) pj[k] = -INFINITY; /* the last vector's padding */
+        v8 sum = {0};
+        for (int64_t k = 0; k < n; k += LANES) {
+            v8 e = exp8(load8(pj + k) - top[j]);
+            memcpy(pj + k, &e, sizeof e);
+            sum += e;
+        }
+        float total = sum8(sum);
+        weighted_sum(pj, n, slot + begin[j] - lo, kv, (kv_heads + g) * slots, dim, kt, acc, bf);
+        for (int64_t d = 0; d < dim; d++) put(out, (first + j) * heads * dim + head * dim + d, acc[d] / total, bf);
+    }
+    free(scratch);
+}
+
 /* One forward pass's attention for one layer.
  *   qkv         [batch * seq_len, (heads + 2 * kv_heads) * dim]: q, k, v of each row; q and k are rotated
  *               in place
@@ -217,19 +302,14 @@ static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t d
  *   tables      [batch, max_blocks] each sequence's blocks; num_tokens [batch] its real rows (the rest
  *               of its seq_len rows are padding: written to their slot, output zero)
  *   out         [batch * seq_len, heads * dim]
- * A row at position p attends to keys [max(0, p + 1 - window), p] (window 0: no window). */
+ * A row at position p attends to keys [max(0, p + 1 - window), p] (window 0: no window). The heads of
+ * all sequences are split over `threads` OpenMP threads; a head's arithmetic is the same on any. */
 void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots, const int64_t *positions,
             const int64_t *write_slots, const int64_t *tables, int64_t max_blocks, int64_t block_size,
             const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
-            int64_t dim, int64_t window, float scale, int bf) {
+            int64_t dim, int64_t window, float scale, int bf, int threads) {
     int64_t rows = batch * seq_len, width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-    int64_t longest = 1;
-    for (int64_t r = 0; r < rows; r++)
-        if (positions[r] + 1 > longest) longest = positions[r] + 1;
-    int64_t stride = longest + LANES, queries = seq_len * group; /* queries of one sequence and kv head */
-    float *t = malloc(sizeof(float) * (size_t)(2 * dim + queries * (dim + stride)));
-    float *kt = t + dim, *q = kt + dim, *p = q + queries * dim;
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)longest);
+    float *t = malloc(sizeof(float) * (size_t)dim);
     size_t elem = bf ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -243,64 +323,39 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
                    src + kv_heads * dim * elem, dim * elem);
         }
     }
+    free(t);
+    /* per sequence: row j's key range [begin, end), the union [lo, hi) and each key's slot */
+    int64_t *begin = malloc(sizeof(int64_t) * (size_t)(2 * rows + 2 * batch)), *end = begin + rows;
+    int64_t *lo = end + rows, *hi = lo + batch, **slot = malloc(sizeof(int64_t *) * (size_t)batch);
     for (int64_t b = 0; b < batch; b++) {
         int64_t first = b * seq_len, m = num_tokens[b];
         for (int64_t r = first + m; r < first + seq_len; r++) /* padding rows */
             for (int64_t i = 0; i < heads * dim; i++) put(out, r * heads * dim + i, 0.0f, bf);
+        lo[b] = INT64_MAX, hi[b] = 0, slot[b] = NULL;
         if (m == 0) continue;
-        int64_t lo = INT64_MAX, hi = 0, begin[m], end[m]; /* row j reads keys [begin[j], end[j]) */
-        for (int64_t j = 0; j < m; j++) {
-            end[j] = positions[first + j] + 1;
+        for (int64_t j = first; j < first + m; j++) {
+            end[j] = positions[j] + 1;
             begin[j] = window > 0 && end[j] > window ? end[j] - window : 0;
-            if (begin[j] < lo) lo = begin[j];
-            if (end[j] > hi) hi = end[j];
+            if (begin[j] < lo[b]) lo[b] = begin[j];
+            if (end[j] > hi[b]) hi[b] = end[j];
         }
         const int64_t *table = tables + b * max_blocks;
-        for (int64_t k = lo; k < hi;) { /* key k's cache slot, block by block (no division per key) */
+        slot[b] = malloc(sizeof(int64_t) * (size_t)(hi[b] - lo[b]));
+        for (int64_t k = lo[b]; k < hi[b];) { /* key k's cache slot, block by block (no division per key) */
             int64_t block = table[k / block_size], off = k % block_size;
-            for (; off < block_size && k < hi; off++, k++) slot[k - lo] = block * block_size + off;
-        }
-        for (int64_t g = 0; g < kv_heads; g++) { /* the sequence's rows and the group's heads share each key read */
-            float top[m * group];
-            for (int64_t j = 0; j < m; j++)
-                for (int64_t h = 0; h < group; h++) {
-                    int64_t at = (j * group + h) * dim;
-                    const float *qh = row(qkv, (first + j) * width + (g * group + h) * dim, dim, q + at, bf);
-                    if (qh != q + at) memcpy(q + at, qh, sizeof(float) * (size_t)dim);
-                    top[j * group + h] = -INFINITY;
-                }
-            for (int64_t k = lo; k < hi; k++) {
-                const float *key = row(kv, (g * slots + slot[k - lo]) * dim, dim, kt, bf);
-                for (int64_t j = 0; j < m; j++) {
-                    if (k < begin[j] || k >= end[j]) continue;
-                    for (int64_t h = 0; h < group; h++) {
-                        int64_t i = j * group + h;
-                        float s = dot(q + i * dim, key, dim) * scale;
-                        p[i * stride + k - begin[j]] = s;
-                        top[i] = s > top[i] ? s : top[i];
-                    }
-                }
-            }
-            for (int64_t j = 0; j < m; j++) /* softmax, in vectors counted from the row's own first key */
-                for (int64_t h = 0; h < group; h++) {
-                    int64_t i = j * group + h, n = end[j] - begin[j];
-                    float *pi = p + i * stride, acc[dim];
-                    for (int64_t k = n; k < n + LANES; k++) pi[k] = -INFINITY; /* the last vector's padding */
-                    v8 sum = {0};
-                    for (int64_t k = 0; k < n; k += LANES) {
-                        v8 e = exp8(load8(pi + k) - top[i]);
-                        memcpy(pi + k, &e, sizeof e);
-                        sum += e;
-                    }
-                    float total = sum8(sum);
-                    weighted_sum(pi, n, slot + begin[j] - lo, kv, (kv_heads + g) * slots, dim, kt, acc, bf);
-                    for (int64_t d = 0; d < dim; d++)
-                        put(out, (first + j) * heads * dim + (g * group + h) * dim + d, acc[d] / total, bf);
-                }
+            for (; off < block_size && k < hi[b]; off++, k++) slot[b][k - lo[b]] = block * block_size + off;
         }
     }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < batch * heads; u++) {
+        int64_t b = u / heads, head = u % heads, first = b * seq_len;
+        if (num_tokens[b] == 0) continue;
+        attend_head(qkv, kv, slots, slot[b], lo[b], hi[b], begin + first, end + first, first, num_tokens[b],
+                    head / group, head % group, heads, kv_heads, dim, width, scale, out, bf);
+    }
+    for (int64_t b = 0; b < batch; b++) free(slot[b]);
     free(slot);
-    free(t);
+    free(begin);
 }
 
 /* ---- linears: y [rows, out] = x [rows, in] @ W.T, float32 activations --------------------------------
@@ -319,16 +374,6 @@ static inline v8 load_bf16(const uint16_t *p) {
     v8 v;
     for (int l = 0; l < LANES; l++) v[l] = bf16_to_float(p[l]);
     return v;
-#endif
-}
-
-/* a + b * c, fused (one rounding) where the CPU has FMA. The linears use it: their bits then differ
- * between machines with and without FMA, but on one machine every row takes the same path. */
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-#ifdef __FMA__
-    return (v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
-#else
-    return a + b * c;
 #endif
 }
 

@@ -71,7 +71,7 @@ class Native:
         p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int]
         lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int]
-        lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int]
+        lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int, ctypes.c_int]
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
@@ -154,12 +154,14 @@ class NativeLinear(Linear):
         self.lib = library().lib
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """A decoding step's path: contiguous float32 [..., in] in, one C call, [..., out] out. Each torch
-        op costs ~2-3 us here, several times a small kernel's own work, and a step makes ~120 calls."""
-        if residual is None and self.bias is None and x.dtype is torch.float32 and x.is_contiguous():
-            y = x.new_empty((*x.shape[:-1], self.out_features))
-            self.kernel(x, y, x.numel() // self.in_features, torch.get_num_threads())
-            return y
+        """A decoding step's path: contiguous [..., in] in, one C call (bfloat16 widened before it and
+        rounded after), [..., out] out. Each torch op costs ~2-3 us here, several times a small
+        kernel's own work, and a step makes ~120 calls."""
+        if residual is None and self.bias is None and x.is_contiguous():
+            xf = x if x.dtype is torch.float32 else x.float()
+            y = xf.new_empty((*x.shape[:-1], self.out_features))
+            self.kernel(xf, y, x.numel() // self.in_features, torch.get_num_threads())
+            return y if self.dtype is torch.float32 else y.to(self.dtype)
         return super().__call__(x, residual)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

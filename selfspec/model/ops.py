@@ -139,6 +139,7 @@ class Fused(Eager):
             window or 0,
             self._scale,
             native.DTYPES[qkv.dtype],
+            torch.get_num_threads(),
         )
         return out
 
@@ -150,6 +151,10 @@ def make_ops(config: ModelConfig, rope: RopeTable, dtype: torch.dtype, device: t
         return Eager(config, rope), f"glue ops: eager (native.c is CPU code; this model is on {device.type})"
     if dtype not in native.DTYPES:
         return Eager(config, rope), f"glue ops: eager (native.c takes float32 or bfloat16, not {dtype})"
+    if config.head_dim % 8:
+        return Eager(
+            config, rope
+        ), f"glue ops: eager (native.c's attention takes head sizes in 8s, not {config.head_dim})"
     lib = native.library()
     if lib is None:
         return Eager(config, rope), f"glue ops: eager ({native.unavailable()})"
