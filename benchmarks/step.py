@@ -31,6 +31,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe, markdown  # noqa: E402
 
+from selfspec.kernels import native  # noqa: E402
 from selfspec.model.loader import load  # noqa: E402
 from selfspec.model.ops import Eager  # noqa: E402
 
@@ -42,12 +43,16 @@ class Stub:
     """Stands in for a linear: a zero tensor of its output shape, allocated once per input shape (the
     call's own Python and tensor overhead then counts as the linear's, as its kernel does)."""
 
+    spec = None
+
     def __init__(self, lin) -> None:
-        self.lin, self.zeros = lin, {}
+        self.lin, self.zeros, self.out_features = lin, {}, lin.out_features
+        if lin.spec is not None:  # native.c's whole-layer call: its linears write zeros instead
+            self.spec = native.LinearSpec(native.KINDS["zero"], lin.in_features, lin.out_features)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape not in self.zeros:
-            self.zeros[x.shape] = torch.zeros(*x.shape[:-1], self.lin.out_features, dtype=self.lin.dtype)
+            self.zeros[x.shape] = torch.zeros(*x.shape[:-1], self.out_features, dtype=self.lin.dtype)
         return self.zeros[x.shape] if residual is None else residual + self.zeros[x.shape]
 
 

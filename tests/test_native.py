@@ -83,6 +83,44 @@ def test_forward_matches_eager_and_rows_are_exact(dtype, family, overrides):
     assert torch.equal(fused_pass, fused_steps[-5:])
 
 
+LAYER_BACKENDS = [
+    ("float32", "native", torch.float32),
+    ("bfloat16", "native", torch.bfloat16),
+    ("int8", "native8", torch.float32),
+    ("int8", "native8i8", torch.float32),
+    ("int4", "native4", torch.float32),
+    ("int4", "native4i8", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "weights,backend,dtype", LAYER_BACKENDS, ids=[f"{b}-{str(d)[6:]}" for _, b, d in LAYER_BACKENDS]
+)
+@torch.inference_mode()
+def test_a_whole_layer_call_gives_the_bits_of_the_separate_calls(weights, backend, dtype, monkeypatch):
+    """native.c's `layer` (one call per layer) against the same kernels called op by op from Python:
+    decoding steps and a 4-row verification pass, padded batches included, bit for bit."""
+    from selfspec.kernels import BACKENDS
+    from selfspec.kernels.choice import KernelPlan
+
+    if BACKENDS[backend].unavailable(dtype):
+        pytest.skip(BACKENDS[backend].unavailable(dtype))
+    hf = tiny_hf_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    kernels = KernelPlan(weights, backend, True)
+    model = build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, dtype, kernels)
+    assert all(lin.spec is not None for layer in model.layers for lin in layer.linears())
+    calls = []
+    whole = model.ops.layer
+    monkeypatch.setattr(model.ops, "layer", lambda *a: calls.append(1) or whole(*a))
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    steps, verified, tokens = decode(model, model.ops, prompt, 6, 4)
+    assert len(calls) >= 7 * model.num_layers  # the steps and the pass went through `layer`
+    monkeypatch.setattr(model.ops, "layer", lambda *a: None)  # op by op
+    separate_steps, separate_verified, separate_tokens = decode(model, model.ops, prompt, 6, 4)
+    assert torch.equal(steps, separate_steps) and torch.equal(verified, separate_verified)
+    assert tokens == separate_tokens
+
+
 @torch.inference_mode()
 def test_a_padded_batch_gives_each_row_its_single_sequence_bits():
     model = tiny()

@@ -713,3 +713,83 @@ void linear_q8_i8(const float *x, const int8_t *codes, const float *scale, float
     free(d);
 }
 #endif
+
+/* ---- one decoder layer in one call ---------------------------------------------------------------------
+ * The same kernels as the calls above, in the order decoder._layer makes them, without the ~8 trips
+ * through Python and ~8 tensor allocations per layer (each ~3-10 us here, ~2 ms a step). A row's bits
+ * are those of the separate calls: each kernel is the same, and bfloat16 activations are rounded
+ * where torch rounds them on the separate path (after each linear). */
+typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) keeps them */
+    int64_t kind; /* LINEAR_* */
+    int64_t in, out;
+    const void *w; /* weights or codes */
+    const float *scale, *offset;
+} linear_spec;
+
+enum { LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8 };
+
+typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
+    const void *cos, *sin;
+    const int64_t *positions, *write_slots, *tables;
+    int64_t max_blocks, block_size;
+    const int64_t *num_tokens;
+    int64_t batch, seq_len, heads, kv_heads, dim, hidden;
+    float scale, eps;
+    int64_t bf, threads;
+} pass_info;
+
+/* y [rows, out] = x [rows, in] @ W.T in float32 (LINEAR_ZERO: zeros, for benchmarks/step.py). */
+static void linear_run(const linear_spec *L, const float *x, float *y, int64_t rows, int threads) {
+    switch (L->kind) {
+    case LINEAR_F32: linear_dense(x, L->w, y, rows, L->in, L->out, 0, threads); break;
+    case LINEAR_BF16: linear_dense(x, L->w, y, rows, L->in, L->out, 1, threads); break;
+    case LINEAR_Q8: linear_q8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
+    case LINEAR_Q4: linear_q4(x, L->w, L->scale, L->offset, y, rows, L->in, L->out, threads); break;
+#ifdef __AVX2__
+    case LINEAR_Q8_I8: linear_q8_i8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
+    case LINEAR_Q4_I8: linear_q4_i8(x, L->w, L->scale, L->offset, y, rows, L->in, L->out, threads); break;
+#endif
+    default: memset(y, 0, sizeof(float) * (size_t)(rows * L->out));
+    }
+}
+
+/* The linear on activations of the pass's dtype: bfloat16 is widened before and rounded after. */
+static void linear_act(const linear_spec *L, const void *x, void *y, int64_t rows, int bf, int threads) {
+    if (!bf) {
+        linear_run(L, x, y, rows, threads);
+        return;
+    }
+    float *xf = malloc(sizeof(float) * (size_t)(rows * (L->in + L->out))), *yf = xf + rows * L->in;
+    for (int64_t i = 0; i < rows * L->in; i++) xf[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    linear_run(L, xf, yf, rows, threads);
+    for (int64_t i = 0; i < rows * L->out; i++) ((uint16_t *)y)[i] = float_to_bf16(yf[i]);
+    free(xf);
+}
+
+/* kv: the layer's cache (`slots` per kv head); h [rows, hidden] (+ y, the previous layer's output, or NULL) -> h_out: the residual stream after
+ * attention; y_out: the MLP's output (added to the stream by the next layer's first norm). */
+void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const void *h, const void *y, void *h_out, void *y_out,
+           const void *attn_norm, const void *mlp_norm, const linear_spec *qkv, const linear_spec *o,
+           const linear_spec *gate_up, const linear_spec *down) {
+    int64_t rows = P->batch * P->seq_len, n = P->hidden, elem = P->bf ? 2 : 4, inner = gate_up->out / 2;
+    int bf = (int)P->bf, threads = (int)P->threads;
+    int64_t width = qkv->out > gate_up->out ? qkv->out : gate_up->out; /* the widest output (>= hidden) */
+    width = width > n ? width : n;
+    char *x = malloc((size_t)(rows * (n + 2 * width + inner) * elem));
+    char *a = x + rows * n * elem, *b = a + rows * width * elem, *c = b + rows * width * elem;
+    const void *stream = h;
+    if (y) {
+        add_norm(h, y, h_out, attn_norm, x, rows, n, P->eps, bf);
+        stream = h_out;
+    } else
+        add_norm(h, NULL, NULL, attn_norm, x, rows, n, P->eps, bf);
+    linear_act(qkv, x, a, rows, bf, threads);
+    attend(a, P->cos, P->sin, kv, slots, P->positions, P->write_slots, P->tables, P->max_blocks, P->block_size,
+           P->num_tokens, P->batch, P->seq_len, b, P->heads, P->kv_heads, P->dim, window, P->scale, bf, threads);
+    linear_act(o, b, a, rows, bf, threads);
+    add_norm(stream, a, h_out, mlp_norm, x, rows, n, P->eps, bf);
+    linear_act(gate_up, x, a, rows, bf, threads);
+    silu_mul(a, c, rows, inner, bf);
+    linear_act(down, c, y_out, rows, bf, threads);
+    free(x);
+}

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from abc import abstractmethod
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -63,6 +63,29 @@ def _build(compiler: str) -> Path:
     return out
 
 
+class LinearSpec(ctypes.Structure):
+    """native.c's linear_spec: one linear's weights as its backend keeps them (for `layer`)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("inn", ctypes.c_int64), ("out", ctypes.c_int64)] + [
+        (name, ctypes.c_void_p) for name in ("w", "scale", "offset")
+    ]
+
+
+KINDS = {"zero": 0, "float32": 1, "bfloat16": 2, "q8": 3, "q4": 4, "q8_i8": 5, "q4_i8": 6}  # native.c's LINEAR_*
+
+
+class PassInfo(ctypes.Structure):
+    """native.c's pass_info: what every layer of one pass reads (ops.Fused.prepare)."""
+
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in ("cos", "sin", "positions", "write_slots", "tables")]
+        + [(name, ctypes.c_int64) for name in ("max_blocks", "block_size")]
+        + [("num_tokens", ctypes.c_void_p)]
+        + [(name, ctypes.c_int64) for name in ("batch", "seq_len", "heads", "kv_heads", "dim", "hidden")]
+        + [("scale", ctypes.c_float), ("eps", ctypes.c_float), ("bf", ctypes.c_int64), ("threads", ctypes.c_int64)]
+    )
+
+
 class Native:
     """The compiled library; each method takes contiguous CPU tensors of one activation dtype."""
 
@@ -75,7 +98,9 @@ class Native:
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
-        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4, lib.linear_q8):
+        spec = ctypes.POINTER(LinearSpec)
+        lib.layer.argtypes = [ctypes.POINTER(PassInfo), p, i, i, p, p, p, p, p, p, spec, spec, spec, spec]
+        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layer):
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2)
         if self.dot_i8:
@@ -141,6 +166,7 @@ class NativeLinear(Linear):
 
     row_exact = True  # by construction, see native.c
     multiple = 16
+    kind: str  # native.c's LINEAR_* for this backend's kernel (KINDS)
 
     def __init__(
         self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, device
@@ -163,6 +189,19 @@ class NativeLinear(Linear):
             self.kernel(xf, y, x.numel() // self.in_features, torch.get_num_threads())
             return y if self.dtype is torch.float32 else y.to(self.dtype)
         return super().__call__(x, residual)
+
+    @cached_property
+    def spec(self) -> LinearSpec | None:
+        """This linear for native.c's `layer` (None with a bias, which the separate path adds)."""
+        if self.bias is not None:
+            return None
+        w, scale, offset = self.tensors()
+        ptr = [None if t is None else t.data_ptr() for t in (w, scale, offset)]
+        return LinearSpec(KINDS[self.kind], self.in_features, self.out_features, *ptr)
+
+    @abstractmethod
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weights or codes, scales, offsets) as the kernel reads them."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The kernels take and give float32 (bfloat16 activations are widened here, rounded back after)."""

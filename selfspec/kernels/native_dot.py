@@ -23,6 +23,7 @@ def _missing() -> str | None:
 
 class NativeInt4Dot(NativeInt4):
     name = "native4i8"
+    kind = "q4_i8"
 
     @classmethod
     def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
@@ -38,6 +39,7 @@ class NativeInt4Dot(NativeInt4):
 
 class NativeInt8Dot(NativeInt8):
     name = "native8i8"
+    kind = "q8_i8"
     multiple = 32
 
     @classmethod

@@ -16,6 +16,10 @@ class NativeFloat(native.NativeLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, bias, dtype, weight.device)
         self.weight = weight.to(dtype).contiguous()  # the activations' float format
+        self.kind = "bfloat16" if dtype == torch.bfloat16 else "float32"
+
+    def tensors(self) -> tuple[torch.Tensor, None, None]:
+        return self.weight, None, None
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ GROUP = 32
 
 class NativeInt4(native.NativeLinear):
     name = "native4"
+    kind = "q4"
     multiple = GROUP
 
     def __init__(
@@ -41,6 +42,9 @@ class NativeInt4(native.NativeLinear):
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + (self.scale.numel() + self.offset.numel()) * 4
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.offset
 
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
         q, s, m = self.codes, self.scale, self.offset

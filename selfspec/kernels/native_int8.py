@@ -12,6 +12,7 @@ from . import native
 
 class NativeInt8(native.NativeLinear):
     name = "native8"
+    kind = "q8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, bias, dtype, weight.device)
@@ -22,6 +23,9 @@ class NativeInt8(native.NativeLinear):
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return self.codes, self.scales, None
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.float() * self.scales[:, None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from ..kernels import native
 from .attention import ROW_EXACT_QUERIES, AttentionBatch, paged_attention, write_kv
 from .config import ModelConfig
 from .rope import RopeTable, apply_rope_
+
+if TYPE_CHECKING:
+    from .decoder import LayerWeights
 
 
 @dataclass
@@ -26,6 +30,7 @@ class NativePass:
     slots: torch.Tensor  # [B * S] where each row's k, v are written
     tables: torch.Tensor  # [B, max_blocks]
     counts: torch.Tensor  # [B] real rows per sequence
+    info: native.PassInfo  # the same, and the model's sizes, for native.c's `layer`
 
 
 class Eager:
@@ -47,6 +52,18 @@ class Eager:
         """gate_up [..., 2 * intermediate] -> silu(gate) * up [..., intermediate]."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def layer(
+        self,
+        h: torch.Tensor,
+        y: torch.Tensor | None,
+        weights: LayerWeights,
+        state: tuple | NativePass,
+        layer_kv: torch.Tensor,
+        window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A whole layer in one call, where the ops can (Fused); None: the caller runs it op by op."""
+        return None
 
     def prepare(self, batch: AttentionBatch) -> tuple | NativePass:
         """What every layer's `attend` of this pass reads: here cos, sin [B, S, 1, head_dim]."""
@@ -98,12 +115,58 @@ class Fused(Eager):
         if b * s > ROW_EXACT_QUERIES or (s > 1 and not batch.exact):
             return super().prepare(batch)
         self.rope.reserve(max(batch.kv_lens))
-        return NativePass(
-            batch.positions.reshape(-1).contiguous(),
-            batch.write_slots.contiguous(),
-            batch.block_tables.contiguous(),
-            torch.tensor(batch.num_tokens, dtype=torch.long, device=batch.positions.device),
+        c, cos, sin = self.config, self.rope.cos, self.rope.sin_signed
+        positions, slots = batch.positions.reshape(-1).contiguous(), batch.write_slots.contiguous()
+        tables = batch.block_tables.contiguous()
+        counts = torch.tensor(batch.num_tokens, dtype=torch.long, device=batch.positions.device)
+        info = native.PassInfo(
+            *(t.data_ptr() for t in (cos, sin, positions, slots, tables)),
+            tables.shape[1],
+            batch.block_size,
+            counts.data_ptr(),
+            b,
+            s,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            self._scale,
+            c.rms_norm_eps,
+            native.DTYPES[cos.dtype],
+            torch.get_num_threads(),
         )
+        return NativePass(positions, slots, tables, counts, info)
+
+    def layer(
+        self,
+        h: torch.Tensor,
+        y: torch.Tensor | None,
+        weights: LayerWeights,
+        state: tuple | NativePass,
+        layer_kv: torch.Tensor,
+        window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """decoder._layer in one native.c call, for a row-exact pass whose four linears are native
+        (their `spec`); the same kernels in the same order, so the same bits. None otherwise."""
+        specs = (weights.qkv.spec, weights.o.spec, weights.gate_up.spec, weights.down.spec)
+        if not isinstance(state, NativePass) or None in specs:
+            return None
+        h = h.contiguous()
+        h_out, y_out = torch.empty_like(h), h.new_empty(*h.shape[:-1], weights.down.out_features)
+        self.lib.lib.layer(
+            state.info,
+            layer_kv.data_ptr(),
+            layer_kv.shape[2] * layer_kv.shape[3],  # slots: blocks * block_size
+            window or 0,
+            h.data_ptr(),
+            None if y is None else y.contiguous().data_ptr(),
+            h_out.data_ptr(),
+            y_out.data_ptr(),
+            weights.attn_norm.data_ptr(),
+            weights.mlp_norm.data_ptr(),
+            *specs,
+        )
+        return h_out, y_out
 
     def attend(
         self,
