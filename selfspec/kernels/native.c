@@ -360,8 +360,9 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
 
 /* ---- linears: y [rows, out] = x [rows, in] @ W.T, float32 activations --------------------------------
  * Each output column is one thread's, computed for every row by the same fixed-order loop, so a row's
- * bits depend neither on the other rows nor on the thread count (row-exact). Up to 4 rows share each
- * read of a weight row: a k-token verification reads the weights once per 4 tokens, not per token. */
+ * bits depend neither on the other rows nor on the thread count (row-exact). Up to 4 rows (8 for float
+ * weights) share each read of a weight row: a k-token verification reads the weights once per 4 (8)
+ * tokens, not per token. */
 
 #define ROW_BLOCK 4
 
@@ -381,10 +382,14 @@ static inline v8 weight8(const void *w, int64_t i, int bf) {
     return bf ? load_bf16((const uint16_t *)w + i) : load8((const float *)w + i);
 }
 
+/* Float weights: up to 8 rows per read of a weight row, so a verification of up to 8 tokens reads
+ * the weights once (16 accumulators: a few spill to L1, which is cheaper than a second weight pass). */
+#define DENSE_BLOCK 8
+
 /* w [out, in] float32 or bfloat16 (bf), in % 16 == 0. */
 static inline __attribute__((always_inline)) void dense_rows(const float *x, const void *wo, float *y, int64_t in,
                                                              int64_t out, int n, int bf) {
-    v8 a[ROW_BLOCK] = {{0}}, b[ROW_BLOCK] = {{0}};
+    v8 a[DENSE_BLOCK] = {{0}}, b[DENSE_BLOCK] = {{0}};
     for (int64_t i = 0; i < in; i += 2 * LANES) {
         v8 w0 = weight8(wo, i, bf), w1 = weight8(wo, i + LANES, bf);
         for (int r = 0; r < n; r++) {
@@ -395,31 +400,28 @@ static inline __attribute__((always_inline)) void dense_rows(const float *x, con
     for (int r = 0; r < n; r++) y[r * out] = sum8(a[r] + b[r]);
 }
 
+/* dense_rows with n and bf known to the compiler (each case unrolled on its own). */
+#define DENSE(n) (bf ? dense_rows(xr, wo, yr, in, out, n, 1) : dense_rows(xr, wo, yr, in, out, n, 0))
+
 /* x [rows, in] float32, w [out, in] float32 (bf = 0) or bfloat16 (bf = 1) -> y [rows, out] float32. */
 void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bf,
                   int threads) {
     size_t elem = bf ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++)
-        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+        for (int64_t r = 0; r < rows; r += DENSE_BLOCK) {
             const float *xr = x + r * in;
             const void *wo = (const char *)w + o * in * elem;
             float *yr = y + r * out + o;
-            int64_t n = rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK;
-            if (bf) {
-                switch (n) {
-                case 1: dense_rows(xr, wo, yr, in, out, 1, 1); break;
-                case 2: dense_rows(xr, wo, yr, in, out, 2, 1); break;
-                case 3: dense_rows(xr, wo, yr, in, out, 3, 1); break;
-                default: dense_rows(xr, wo, yr, in, out, 4, 1); break;
-                }
-            } else {
-                switch (n) {
-                case 1: dense_rows(xr, wo, yr, in, out, 1, 0); break;
-                case 2: dense_rows(xr, wo, yr, in, out, 2, 0); break;
-                case 3: dense_rows(xr, wo, yr, in, out, 3, 0); break;
-                default: dense_rows(xr, wo, yr, in, out, 4, 0); break;
-                }
+            switch (rows - r) {
+            case 1: DENSE(1); break;
+            case 2: DENSE(2); break;
+            case 3: DENSE(3); break;
+            case 4: DENSE(4); break;
+            case 5: DENSE(5); break;
+            case 6: DENSE(6); break;
+            case 7: DENSE(7); break;
+            default: DENSE(8); break;
             }
         }
 }
