@@ -192,7 +192,8 @@ class NativeLinear(Linear):
 
     @cached_property
     def spec(self) -> LinearSpec | None:
-        """This linear for native.c's `layer` (None with a bias, which the separate path adds)."""
+        """This linear for native.c's `layer` (None with a bias, which the separate path adds). It holds
+        the weights' addresses: a backend's tensors stay as __init__ made them."""
         if self.bias is not None:
             return None
         w, scale, offset = self.tensors()

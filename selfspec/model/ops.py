@@ -215,9 +215,8 @@ def make_ops(config: ModelConfig, rope: RopeTable, dtype: torch.dtype, device: t
     if dtype not in native.DTYPES:
         return Eager(config, rope), f"glue ops: eager (native.c takes float32 or bfloat16, not {dtype})"
     if config.head_dim % 8:
-        return Eager(
-            config, rope
-        ), f"glue ops: eager (native.c's attention takes head sizes in 8s, not {config.head_dim})"
+        why = f"native.c's attention takes head sizes in 8s, not {config.head_dim}"
+        return Eager(config, rope), f"glue ops: eager ({why})"
     lib = native.library()
     if lib is None:
         return Eager(config, rope), f"glue ops: eager ({native.unavailable()})"
