@@ -163,6 +163,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained("default", dtype=args.dtype, kv_cache_tokens=32768)
+    engine.preload()  # as `selfspec serve` does
     server, url, scheduler = start_server(engine, max_batch_size=16, loop_on_caller=True)
     prompts = [q["turns"][0] for q in dev_prompts(32) if len(q["turns"][0]) < 1500]
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -93,3 +93,11 @@ def test_sampled_logliks_match_plain_with_the_hybrid(default_engine):
     params = SamplingParams(temperature=0.8)
     report = compare(engine.model, prompt, params, config, 500, 4, 2, drafter=engine.drafter(config))
     assert report.lossless, report
+
+
+def test_preload_loads_the_copies_the_profile_drafts_with(default_engine):
+    """A server loads its quantized drafts before the first request (`selfspec serve`, bench)."""
+    used = {b.drafter for b in default_engine.policy.profile.buckets}
+    expected = {w for w in ("int4", "int8") if w in used or (w == "int4" and "hybrid" in used)}
+    default_engine.preload()
+    assert expected and expected <= set(default_engine._draft_models)

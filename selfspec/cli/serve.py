@@ -158,6 +158,7 @@ def _body(args) -> int:
 
     _check(args)
     engine = engine_from_args(args, profile=args.profile)
+    engine.preload()  # before the first request, not inside its latency
     app = create_app(engine, api_key=args.api_key, protect=args.protect, **_app_options(args))
     server = make_server(
         app,

@@ -141,6 +141,15 @@ class Engine:
             return HybridDrafter(LookupDrafter(ngram), self._make_drafter("int4", n, ngram))
         return QuantizedDrafter(self.draft_model(kind), n)
 
+    def preload(self) -> None:
+        """Loads the quantized copies the policy's profile may draft with (hybrid drafts with int4), so
+        that no request pays for loading one (~1 s) inside its own latency."""
+        profile = self.policy.profile
+        used = {b.drafter for b in profile.buckets} if profile is not None else set()
+        for weights in ("int4", "int8"):
+            if weights in used or (weights == "int4" and "hybrid" in used):
+                self.draft_model(weights)
+
     def draft_model(self, weights: str) -> DecoderModel:
         """The model's own weights in format `weights` (int4: a 4-bit GGUF's own codes), loaded once."""
         if weights not in self._draft_models:
