@@ -7,8 +7,9 @@ KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
 
 A step is one forward of `k` query tokens after a 300-token prompt plus the logits a decoder reads
 (the last row for k = 1, every row for a k-token verification), then a rollback to 300 positions.
-"Rest" is timed with every linear call replaced by a preallocated zero tensor of its output
-shape (the library is untouched: the swap lives here), "linears" is the full step minus the rest.
+"Rest" is timed with every linear replaced by a preallocated zero tensor of its output shape
+(calibration.roofline.zero_linears, which `selfspec roofline` uses too), "linears" is the full step
+minus the rest.
 Full and stubbed steps alternate in blocks, repeated; medians are reported. `--ops`: the glue between
 the linears, native.c's fused calls and/or the eager torch reference, on the same loaded model.
 Writes {out}.json/.md."""
@@ -31,43 +32,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe, markdown  # noqa: E402
 
-from selfspec.kernels import native  # noqa: E402
+from selfspec.calibration.roofline import zero_linears  # noqa: E402
 from selfspec.model.loader import load  # noqa: E402
 from selfspec.model.ops import Eager  # noqa: E402
 
 PROMPT = list(range(100, 400))  # 300 tokens
-LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's (decoder.LayerWeights)
-
-
-class Stub:
-    """Stands in for a linear: a zero tensor of its output shape, allocated once per input shape (the
-    call's own Python and tensor overhead then counts as the linear's, as its kernel does)."""
-
-    spec = None
-
-    def __init__(self, lin) -> None:
-        self.lin, self.zeros, self.out_features = lin, {}, lin.out_features
-        if lin.spec is not None:  # native.c's whole-layer call: its linears write zeros instead
-            self.spec = native.LinearSpec(native.KINDS["zero"], lin.in_features, lin.out_features)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape not in self.zeros:
-            self.zeros[x.shape] = torch.zeros(*x.shape[:-1], self.out_features, dtype=self.lin.dtype)
-        return self.zeros[x.shape] if residual is None else residual + self.zeros[x.shape]
-
-
-def stub_linears(model) -> None:
-    for layer in model.layers:
-        for name in LINEARS:
-            setattr(layer, name, Stub(getattr(layer, name)))
-    model.head = Stub(model.head)
-
-
-def unstub_linears(model) -> None:
-    for layer in model.layers:
-        for name in LINEARS:
-            setattr(layer, name, getattr(layer, name).lin)
-    model.head = model.head.lin
 
 
 def step_fn(model, k: int):
@@ -106,10 +75,9 @@ def measure(config: str, queries: list[int], ops: list[str], steps: int, repeats
             full, rest = [], []
             for _ in range(repeats):
                 full.append(per_step_ms(step, steps))
-                stub_linears(model)
-                step()
-                rest.append(per_step_ms(step, steps))
-                unstub_linears(model)
+                with zero_linears(model):
+                    step()
+                    rest.append(per_step_ms(step, steps))
                 step()
             f, r = statistics.median(full), statistics.median(rest)
             rows.append(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,10 @@ class LayerWeights:
     gate_up: Linear  # [2 * intermediate, hidden]: gate and up projections fused
     down: Linear  # [hidden, intermediate]
 
+    LINEARS: ClassVar[tuple[str, ...]] = ("qkv", "o", "gate_up", "down")
+
     def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, self.gate_up, self.down]
+        return [getattr(self, name) for name in self.LINEARS]
 
 
 class DecoderModel:
