@@ -31,9 +31,18 @@ def test_knee_of_acceptance_curve():
 
 
 def test_tokens_per_round_by_hand():
-    assert tokens_per_round([1, 1, 1, 1], 2) == pytest.approx((3 + 3 + 3 + 2) / 4)  # the last start sees 1 left
+    """Rounds start where the previous round's tokens end (positions 0 and 3 here, not every one)."""
+    assert tokens_per_round([1, 1, 1, 1], 2) == pytest.approx((3 + 2) / 2)  # the last round sees 1 left
     assert tokens_per_round([0, 0, 0], 4) == 1.0
-    assert tokens_per_round([0.5, 0.5], 2) == pytest.approx((1 + 0.5 + 0.25 + 1 + 0.5) / 2)
+    assert tokens_per_round([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)  # 1.75 tokens: the next starts at 2
+
+
+def test_a_long_accepted_run_counts_as_the_rounds_that_pass_over_it():
+    """10 misses, a 20-position run a draft gets right, 10 misses, γ = 5: a decode makes 10 + 4 + 9
+    rounds (6, 6, 6 and 3 tokens from the run's start; the last one's 3 reach past it), not 40 with
+    20 of them at up to 6 tokens."""
+    accept = [0] * 10 + [1] * 20 + [0] * 10
+    assert tokens_per_round(accept, 5) == pytest.approx((10 + 6 + 6 + 6 + 3 + 9) / 23)
 
 
 def test_confidence_threshold_drops_unprofitable_drafts():
