@@ -591,6 +591,15 @@ void quantize_i8(const float *x, int8_t *qx, float *d, float *s, int64_t rows, i
     }
 }
 
+/* quantize_i8 into one allocation (the codes, then d and s; free the codes' pointer). */
+static int8_t *quantized(const float *x, int64_t rows, int64_t in, float **d, float **s) {
+    int64_t blocks = rows * in / 32;
+    int8_t *qx = malloc((size_t)(rows * in) + sizeof(float) * (size_t)(2 * blocks));
+    *d = (float *)(qx + rows * in), *s = *d + blocks; /* rows * in is a multiple of 32: aligned */
+    quantize_i8(x, qx, *d, *s, rows, in);
+    return qx;
+}
+
 /* 32 unsigned codes times 32 signed activations, summed in pairs and then fours: 8 int32 -> float. */
 static inline __m256 dot_u8(__m256i w, const int8_t *x) {
     __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)x));
@@ -639,9 +648,8 @@ static inline __attribute__((always_inline)) void q4i8_rows(const int8_t *qx, co
 void linear_q4_i8(const float *x, const uint8_t *codes, const float *scale, const float *offset, float *y,
                   int64_t rows, int64_t in, int64_t out, int threads) {
     int64_t groups = in / 32;
-    int8_t *qx = malloc((size_t)(rows * in));
-    float *d = malloc(sizeof(float) * (size_t)(2 * rows * groups)), *s = d + rows * groups;
-    quantize_i8(x, qx, d, s, rows, in);
+    float *d, *s;
+    int8_t *qx = quantized(x, rows, in, &d, &s);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++)
         for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
@@ -657,7 +665,6 @@ void linear_q4_i8(const float *x, const uint8_t *codes, const float *scale, cons
             }
         }
     free(qx);
-    free(d);
 }
 
 /* Signed codes: vpmaddubsw multiplies unsigned by signed bytes, so the sign moves onto the activations
@@ -695,9 +702,8 @@ static inline __attribute__((always_inline)) void q8i8_rows(const int8_t *qx, co
 void linear_q8_i8(const float *x, const int8_t *codes, const float *scale, float *y, int64_t rows, int64_t in,
                   int64_t out, int threads) {
     int64_t groups = in / 32;
-    int8_t *qx = malloc((size_t)(rows * in));
-    float *d = malloc(sizeof(float) * (size_t)(2 * rows * groups)), *s = d + rows * groups;
-    quantize_i8(x, qx, d, s, rows, in);
+    float *d, *s;
+    int8_t *qx = quantized(x, rows, in, &d, &s);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t o = 0; o < out; o++)
         for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
@@ -712,7 +718,6 @@ void linear_q8_i8(const float *x, const int8_t *codes, const float *scale, float
             }
         }
     free(qx);
-    free(d);
 }
 #endif
 
