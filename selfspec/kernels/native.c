@@ -73,8 +73,8 @@ static inline v8 load8(const float *p) {
     return v;
 }
 
-/* a + b * c, fused (one rounding) where the CPU has FMA. The linears and attention use it: their bits then differ
- * between machines with and without FMA, but on one machine every row takes the same path. */
+/* a + b * c, fused (one rounding) where the CPU has FMA. The linears and attention use it: their bits
+ * then differ between machines with and without FMA, but on one machine every row takes the same path. */
 static inline v8 fma8(v8 a, v8 b, v8 c) {
 #ifdef __FMA__
     return (v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
@@ -773,11 +773,12 @@ static void linear_act(const linear_spec *L, const void *x, void *y, int64_t row
     free(xf);
 }
 
-/* kv: the layer's cache (`slots` per kv head); h [rows, hidden] (+ y, the previous layer's output, or NULL) -> h_out: the residual stream after
- * attention; y_out: the MLP's output (added to the stream by the next layer's first norm). */
-void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const void *h, const void *y, void *h_out, void *y_out,
-           const void *attn_norm, const void *mlp_norm, const linear_spec *qkv, const linear_spec *o,
-           const linear_spec *gate_up, const linear_spec *down) {
+/* kv: the layer's cache (`slots` per kv head); h [rows, hidden] (+ y, the previous layer's output, or
+ * NULL) -> h_out: the residual stream after attention; y_out: the MLP's output (added to the stream by
+ * the next layer's first norm). */
+void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const void *h, const void *y,
+           void *h_out, void *y_out, const void *attn_norm, const void *mlp_norm, const linear_spec *qkv,
+           const linear_spec *o, const linear_spec *gate_up, const linear_spec *down) {
     int64_t rows = P->batch * P->seq_len, n = P->hidden, elem = P->bf ? 2 : 4, inner = gate_up->out / 2;
     int bf = (int)P->bf, threads = (int)P->threads;
     int64_t width = qkv->out > gate_up->out ? qkv->out : gate_up->out; /* the widest output (>= hidden) */
