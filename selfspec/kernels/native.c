@@ -745,6 +745,13 @@ typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
     int64_t bf, threads;
 } pass_info;
 
+/* One layer's attention for a pass (qkv and out as attend's), from what its layers share. */
+void attend_pass(const pass_info *P, void *qkv, void *kv, int64_t slots, int64_t window, void *out) {
+    attend(qkv, P->cos, P->sin, kv, slots, P->positions, P->write_slots, P->tables, P->max_blocks, P->block_size,
+           P->num_tokens, P->batch, P->seq_len, out, P->heads, P->kv_heads, P->dim, window, P->scale, (int)P->bf,
+           (int)P->threads);
+}
+
 /* y [rows, out] = x [rows, in] @ W.T in float32 (LINEAR_ZERO: zeros, for benchmarks/step.py). */
 static void linear_run(const linear_spec *L, const float *x, float *y, int64_t rows, int threads) {
     switch (L->kind) {
@@ -792,8 +799,7 @@ void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const vo
     } else
         add_norm(h, NULL, NULL, attn_norm, x, rows, n, P->eps, bf);
     linear_act(qkv, x, a, rows, bf, threads);
-    attend(a, P->cos, P->sin, kv, slots, P->positions, P->write_slots, P->tables, P->max_blocks, P->block_size,
-           P->num_tokens, P->batch, P->seq_len, b, P->heads, P->kv_heads, P->dim, window, P->scale, bf, threads);
+    attend_pass(P, a, kv, slots, window, b);
     linear_act(o, b, a, rows, bf, threads);
     add_norm(stream, a, h_out, mlp_norm, x, rows, n, P->eps, bf);
     linear_act(gate_up, x, a, rows, bf, threads);

@@ -94,13 +94,14 @@ class Native:
         p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int]
         lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int]
-        lib.attend.argtypes = [p, p, p, p, i, p, p, p, i, i, p, i, i, p, i, i, i, i, f, ctypes.c_int, ctypes.c_int]
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
-        spec = ctypes.POINTER(LinearSpec)
-        lib.layer.argtypes = [ctypes.POINTER(PassInfo), p, i, i, p, p, p, p, p, p, spec, spec, spec, spec]
-        for fn in (lib.add_norm, lib.silu_mul, lib.attend, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layer):
+        spec, info = ctypes.POINTER(LinearSpec), ctypes.POINTER(PassInfo)
+        lib.attend_pass.argtypes = [info, p, p, i, i, p]
+        lib.layer.argtypes = [info, p, i, i, p, p, p, p, p, p, spec, spec, spec, spec]
+        fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layer)
+        for fn in fns:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2)
         if self.dot_i8:
@@ -184,10 +185,7 @@ class NativeLinear(Linear):
         rounded after), [..., out] out. Each torch op costs ~2-3 us here, several times a small
         kernel's own work, and a step makes ~120 calls."""
         if residual is None and self.bias is None and x.is_contiguous():
-            xf = x if x.dtype is torch.float32 else x.float()
-            y = xf.new_empty((*x.shape[:-1], self.out_features))
-            self.kernel(xf, y, x.numel() // self.in_features, torch.get_num_threads())
-            return y if self.dtype is torch.float32 else y.to(self.dtype)
+            return self.matmul(x)
         return super().__call__(x, residual)
 
     @cached_property
@@ -205,11 +203,12 @@ class NativeLinear(Linear):
         """(weights or codes, scales, offsets) as the kernel reads them."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernels take and give float32 (bfloat16 activations are widened here, rounded back after)."""
+        """x [..., in] -> [..., out]: the kernels take and give float32 (bfloat16 activations are widened
+        here, rounded back after)."""
         x = x.to(torch.float32).contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)
-        self.kernel(x, y, x.shape[0], torch.get_num_threads())
-        return y.to(self.dtype)
+        y = x.new_empty((*x.shape[:-1], self.out_features))
+        self.kernel(x, y, x.numel() // self.in_features, torch.get_num_threads())
+        return y if self.dtype is torch.float32 else y.to(self.dtype)
 
     @abstractmethod
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:

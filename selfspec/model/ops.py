@@ -24,13 +24,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class NativePass:
-    """native.c's arguments for one pass, made once for all its layers (int64, contiguous)."""
+    """native.c's arguments for one pass, made once for all its layers: `info` points into the tensors
+    beside it (int64, contiguous), which this object keeps alive."""
 
     positions: torch.Tensor  # [B * S]
     slots: torch.Tensor  # [B * S] where each row's k, v are written
     tables: torch.Tensor  # [B, max_blocks]
     counts: torch.Tensor  # [B] real rows per sequence
-    info: native.PassInfo  # the same, and the model's sizes, for native.c's `layer`
+    info: native.PassInfo  # their addresses and the model's sizes, for native.c's attend_pass and layer
 
 
 class Eager:
@@ -178,32 +179,10 @@ class Fused(Eager):
     ) -> torch.Tensor:
         if not isinstance(state, NativePass):
             return super().attend(qkv, batch, state, layer_kv, window)
-        c, (b, s, _) = self.config, qkv.shape
-        qkv = qkv.contiguous()
-        out = qkv.new_empty(b, s, c.num_heads * c.head_dim)
-        self.lib.lib.attend(
-            qkv.data_ptr(),
-            self.rope.cos.data_ptr(),
-            self.rope.sin_signed.data_ptr(),
-            layer_kv.data_ptr(),
-            layer_kv.shape[2] * layer_kv.shape[3],  # slots: blocks * block_size
-            state.positions.data_ptr(),
-            state.slots.data_ptr(),
-            state.tables.data_ptr(),
-            state.tables.shape[1],
-            batch.block_size,
-            state.counts.data_ptr(),
-            b,
-            s,
-            out.data_ptr(),
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            window or 0,
-            self._scale,
-            native.DTYPES[qkv.dtype],
-            torch.get_num_threads(),
-        )
+        c, qkv = self.config, qkv.contiguous()
+        out = qkv.new_empty(*qkv.shape[:2], c.num_heads * c.head_dim)
+        slots = layer_kv.shape[2] * layer_kv.shape[3]  # blocks * block_size
+        self.lib.lib.attend_pass(state.info, qkv.data_ptr(), layer_kv.data_ptr(), slots, window or 0, out.data_ptr())
         return out
 
 
