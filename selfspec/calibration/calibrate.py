@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..decoding.hybrid import FALLBACK
 from ..decoding.lookup import match
 from ..decoding.profile import BucketChoice, Profile, length_bucket
 from ..decoding.round import SpecConfig
@@ -248,7 +249,7 @@ def estimate_buckets(
     """Groups records by (category, length bucket, temperature), plus 'all' rows across categories
     and lengths, and predicts every (source, γ) per group: E / (γ·c + v) for drafts that run every
     round, and for lookup (which drafts only where it matches, as many tokens as its match gives) and
-    the hybrid (lookup, else the first quantized copy) the ratio of mean tokens to mean cost over
+    the hybrid (lookup, else its quantized copy, hybrid.FALLBACK) the ratio of mean tokens to mean cost over
     every start position."""
     groups: dict[tuple, list[AcceptanceRecord]] = {}
     for r in records:
@@ -256,7 +257,7 @@ def estimate_buckets(
             for lb in (r.length_bucket, "all"):
                 groups.setdefault((cat, lb, r.temperature), []).append(r)
     gammas = list(next(iter(v.values())))  # the calibrated γs (the exits' list, or 1..max)
-    fallback = next((n for n in c if not n.isdigit() and n != "lookup"), None)
+    fallback = FALLBACK if FALLBACK in c else None  # what the engine's hybrid drafts with
     out = []
     for (cat, lb, t), recs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         weights = [len(next(iter(r.accept.values()))) for r in recs]
@@ -338,7 +339,7 @@ class CalibrationPlan:
     validate_prompts: int = 4  # prompts timed end to end per validated configuration (2 let noise flip a verdict)
     seed: int = 0
     quantized: tuple[str, ...] = ("int4",)  # the model's own weights at these formats draft too
-    lookup: bool = True  # context lookup, and the hybrid of lookup with the first quantized format
+    lookup: bool = True  # context lookup, and the hybrid of lookup with hybrid.FALLBACK (when in `quantized`)
     ngram: int = 3
 
 

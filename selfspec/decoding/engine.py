@@ -17,6 +17,7 @@ from ..errors import SelfspecError
 from ..model.decoder import DecoderModel
 from ..model.loader import DEFAULT_MODEL, LoadedModel, load, load_weights
 from . import head as heads
+from . import hybrid
 from .detokenizer import TextStream
 from .drafter import Drafter, ExitDrafter
 from .head import DraftHead, HeadDrafter
@@ -138,16 +139,17 @@ class Engine:
         if kind == "lookup":
             return LookupDrafter(ngram)
         if kind == "hybrid":
-            return HybridDrafter(LookupDrafter(ngram), self._make_drafter("int4", n, ngram))
+            return HybridDrafter(LookupDrafter(ngram), self._make_drafter(hybrid.FALLBACK, n, ngram))
         return QuantizedDrafter(self.draft_model(kind), n)
 
     def preload(self) -> None:
-        """Loads the quantized copies the policy's profile may draft with (hybrid drafts with int4), so
+        """Loads the quantized copies the policy's profile may draft with (a hybrid: hybrid.FALLBACK), so
         that no request pays for loading one (~1 s) inside its own latency."""
         profile = self.policy.profile
         used = {b.drafter for b in profile.buckets} if profile is not None else set()
+        used |= {hybrid.FALLBACK} if "hybrid" in used else set()
         for weights in ("int4", "int8"):
-            if weights in used or (weights == "int4" and "hybrid" in used):
+            if weights in used:
                 self.draft_model(weights)
 
     def draft_model(self, weights: str) -> DecoderModel:

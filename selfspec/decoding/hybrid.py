@@ -16,6 +16,8 @@ from .lookup import LookupDrafter
 if TYPE_CHECKING:
     from .round import RoundInput
 
+FALLBACK = "int4"  # the quantized copy a hybrid drafts with where lookup has no match (engine, calibration)
+
 
 class HybridDrafter(Drafter):
     name = "hybrid"
