@@ -9,6 +9,7 @@ import torch
 
 from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN
 from selfspec.kernels import choice as kernel_choice
+from selfspec.kernels.base import EXACT_ROWS
 from selfspec.kernels.choice import plan
 from selfspec.kernels.int4 import quantize
 from selfspec.model.gguf import decode, unpermute_rows
@@ -39,16 +40,17 @@ def cases():
             yield pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype)[6:]}")
 
 
+@pytest.mark.parametrize("rows", [7, EXACT_ROWS + 9])  # a step's few rows; a prompt's many (a GEMM path)
 @pytest.mark.parametrize("name,dtype", list(cases()))
-def test_backend_matches_the_dense_reference(name, dtype):
+def test_backend_matches_the_dense_reference(name, dtype, rows):
     w, b = weight()
     lin = BACKENDS[name](w, b, dtype)
-    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
-    r = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
+    r = torch.randn(rows, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
     y = lin(x, residual=r)
     ref = x.float() @ w.t() + b + r.float()
     key = FORMAT.get(name, str(dtype)[6:])
-    assert y.dtype == dtype and y.shape == (7, 96)
+    assert y.dtype == dtype and y.shape == (rows, 96)
     assert (y.float() - ref).abs().max() / ref.abs().max() < TOLERANCE[key]
     # The weight it really multiplies by, whatever its stored form.
     deq = lin.dequantized()
@@ -61,8 +63,9 @@ def test_row_exact_backends_give_a_row_the_same_bits_for_any_row_count(name, dty
     backend = BACKENDS[name]
     w, b = weight(out=960, inn=576)
     lin = backend(w, b, dtype)
-    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
-    same = all(torch.equal(lin(x[:k])[i], lin(x[i : i + 1])[0]) for k in (2, 5, 9, 16) for i in range(k))
+    x = torch.randn(EXACT_ROWS, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ks = (2, 5, 9, 16, EXACT_ROWS)  # up to the longest pass that must be exact
+    same = all(torch.equal(lin(x[:k])[i], lin(x[i : i + 1])[0]) for k in ks for i in range(k))
     if backend.row_exact:
         assert same, f"{name} claims row-exactness but a row's bits depend on the row count"
 

@@ -7,13 +7,18 @@ from typing import ClassVar
 
 import torch
 
+# Passes of up to this many rows (tokens) are row-exact: decoding steps, verifications and batches of
+# them. A longer one is a prompt's (or a big batch's): computed for speed, its linears on a GEMM and its
+# attention on one masked SDPA call (model.attention), so plain and speculative decoding still share it.
+EXACT_ROWS = 64
+
 
 class Linear(ABC):
     """y = x @ W.T + b [+ residual] for one weight W [out, in], stored the way its backend wants.
 
-    `row_exact`: row i of a k-row call is bit-identical to a 1-row call on that row. Speculative
-    verification runs k rows where plain decoding runs one, so fp32 greedy output equals plain greedy
-    output exactly only when every linear is row-exact."""
+    `row_exact`: row i of a k-row call (k <= EXACT_ROWS) is bit-identical to a 1-row call on that row.
+    Speculative verification runs k rows where plain decoding runs one, so fp32 greedy output equals
+    plain greedy output exactly only when every linear is row-exact."""
 
     name: ClassVar[str]
     row_exact: ClassVar[bool]

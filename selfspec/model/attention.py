@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kernels.base import EXACT_ROWS
+
 
 @dataclass
 class AttentionBatch:
@@ -79,9 +81,6 @@ def sequence_kv(layer_kv: torch.Tensor, batch: AttentionBatch, b: int) -> torch.
     return picked.view(two, 1, heads, nb * bs, dim)[:, :, :, :t]
 
 
-ROW_EXACT_QUERIES = 64  # up to this many queries in a pass, each is attended on its own (see below)
-
-
 def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBatch, window: int | None) -> torch.Tensor:
     """q [B, heads, S, head_dim] -> [B, heads, S, head_dim]; keys/values read through the block table.
 
@@ -91,7 +90,7 @@ def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBat
     position to the same bits as the plain step that would have computed it alone. A long pass, or a
     prompt's (`batch.exact` False), is one masked call."""
     b, _, s, _ = q.shape
-    if b * s > ROW_EXACT_QUERIES or (s > 1 and not batch.exact):
+    if b * s > EXACT_ROWS or (s > 1 and not batch.exact):
         kv = gather_kv(layer_kv, batch)
         return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)
     if b == 1:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import native
-from .attention import ROW_EXACT_QUERIES, AttentionBatch, paged_attention, write_kv
+from ..kernels.base import EXACT_ROWS
+from .attention import AttentionBatch, paged_attention, write_kv
 from .config import ModelConfig
 from .rope import RopeTable, apply_rope_
 
@@ -113,7 +114,7 @@ class Fused(Eager):
     def prepare(self, batch: AttentionBatch) -> tuple | NativePass:
         """The eager state for a long or prompt pass (its attention stays on SDPA), else native.c's."""
         b, s = batch.positions.shape
-        if b * s > ROW_EXACT_QUERIES or (s > 1 and not batch.exact):
+        if b * s > EXACT_ROWS or (s > 1 and not batch.exact):
             return super().prepare(batch)
         self.rope.reserve(max(batch.kv_lens))
         c, cos, sin = self.config, self.rope.cos, self.rope.sin_signed
