@@ -3,6 +3,8 @@ a full calibrate run (profile, plots, resume), the policy it feeds, and the roof
 
 import json
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ import torch
 from selfspec import Engine, SamplingParams
 from selfspec.calibration.calibrate import (
     AcceptanceRecord,
+    BucketEstimate,
+    CalibrationPlan,
+    _validate,
     confidence_threshold,
     teacher_forced_acceptance,
     tokens_per_round,
@@ -43,6 +48,26 @@ def test_a_long_accepted_run_counts_as_the_rounds_that_pass_over_it():
     20 of them at up to 6 tokens."""
     accept = [0] * 10 + [1] * 20 + [0] * 10
     assert tokens_per_round(accept, 5) == pytest.approx((10 + 6 + 6 + 6 + 3 + 9) / 23)
+
+
+def test_validation_times_decoding_not_the_prompt():
+    """The prediction covers decoding; a long prompt's prefill, the same work either way, would pull a
+    wall-clock ratio towards 1. Stub decodes: plain 0.4 s, speculative 0.2 s, each after a 0.05 s
+    'prefill' outside the decoding time."""
+
+    class Stub:
+        def encode(self, prompt):
+            return [1, 2, 3]
+
+        def generate(self, ids, params, speculation=None):
+            time.sleep(0.05)
+            return SimpleNamespace(stats=SimpleNamespace(decode_seconds=0.2 if speculation else 0.4))
+
+    est = BucketEstimate("all", "all", 0.0, 10, {"int4": 0.9}, {"int4": {"4": 4.0}}, {"int4": {"4": 1.9}})
+    plan = CalibrationPlan([], [4], [0.0], validate_prompts=2)
+    questions = [{"question_id": i, "category": "qa", "turns": ["hi"]} for i in range(2)]
+    rows = _validate(Stub(), questions, [est], plan)
+    assert rows and all(r["measured_speedup"] == 2.0 for r in rows)
 
 
 def test_confidence_threshold_drops_unprofitable_drafts():
@@ -263,6 +288,10 @@ def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
     assert overall["selfspec:2:2"]["identical"] == overall["selfspec:2:2"]["prompts"] == 11  # lossless
     assert overall["plain"]["speedup"] == 1.0 and overall["plain"]["mean_accepted_tokens"] == 1.0
     assert overall["hf"]["identical"] == 11  # transformers' greedy agrees with ours
+    # Decoding-only speedups for selfspec's own methods (their stats time the prefill apart), none for peers.
+    assert overall["plain"]["decode_speedup"] == 1.0 and overall["selfspec:2:2"]["decode_speedup"] > 0
+    assert overall["hf"]["decode_speedup"] is None
+    assert "Decoding only" in prefix.with_suffix(".md").read_text()
     for suffix in (".json", ".md", ".png"):
         assert prefix.with_suffix(suffix).is_file()
     assert main(["bench", "--data", str(DEV_SET), "--compare", "plain,nonsense"]) == 2

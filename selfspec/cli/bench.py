@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from selfspec.data import DEV_SET
 
@@ -80,8 +81,18 @@ def parse_methods(text: str, num_layers: int | None = None) -> list[str]:
     return methods
 
 
+class Run(NamedTuple):
+    """One method's run on one prompt."""
+
+    tokens: list[int]
+    seconds: float  # wall time, prompt included
+    forwards: int  # full-model forwards
+    policy: str  # the selfspec policy's decision ("" for peers)
+    decode_seconds: float | None = None  # after the prompt's prefill (selfspec methods; None for peers)
+
+
 class Runner:
-    """Runs one method on one prompt: -> (token ids, seconds, full-model forwards)."""
+    """Runs one method on one prompt -> Run."""
 
     def __init__(self, engine, args) -> None:
         self.engine = engine
@@ -125,7 +136,7 @@ class Runner:
         r = self.engine.generate(ids, params, speculation=speculation, category=category)
         seconds = time.perf_counter() - start
         rounds = r.stats.steps  # plain steps and speculative rounds each run the full model once
-        return r.token_ids, seconds, rounds, r.stats.spec_policy
+        return Run(r.token_ids, seconds, rounds, r.stats.spec_policy, r.stats.decode_seconds)
 
     def _hf_run(self, method: str, ids: list[int]):
         import torch
@@ -148,7 +159,7 @@ class Runner:
                 torch.tensor([ids], device=self.engine.device), max_new_tokens=self.args.max_tokens, **kwargs
             )
         seconds = time.perf_counter() - start
-        return out[0, len(ids) :].tolist(), seconds, max(self._forwards, 1), ""
+        return Run(out[0, len(ids) :].tolist(), seconds, max(self._forwards, 1), "")
 
     def _llama_run(self, ids: list[int]):
         """llama.cpp's plain decode of the default model's GGUF (its own 4-bit kernels, flash attention)."""
@@ -178,7 +189,7 @@ class Runner:
             out.append(token)
             if len(out) == self.args.max_tokens:
                 break
-        return out, time.perf_counter() - start, len(out), ""
+        return Run(out, time.perf_counter() - start, len(out), "")
 
 
 def _body(args) -> int:
@@ -205,35 +216,47 @@ def _body(args) -> int:
         )
     rows = []
     for i, (q, ids) in enumerate(fits):
-        results = {}
+        runs: dict[str, list[Run]] = {}
         for r in range(args.repeats):  # every method once per repeat, in an order that rotates
             shift = (i + r) % len(methods)
             for m in methods[shift:] + methods[:shift]:
-                tokens, seconds, forwards, policy = runner(m, ids, q["category"])
-                results.setdefault(m, [tokens, [], forwards, policy])[1].append(seconds)
-        results = {m: (t, statistics.median(s), f, p) for m, (t, s, f, p) in results.items()}
-        plain_ids, plain_s, _, _ = results["plain"]
+                runs.setdefault(m, []).append(runner(m, ids, q["category"]))
+        results = {m: _median(rs) for m, rs in runs.items()}
+        plain = results["plain"]
         for m in methods:
-            tokens, seconds, forwards, policy = results[m]
+            run = results[m]
+            decoding = None if run.decode_seconds is None else plain.decode_seconds / run.decode_seconds
             rows.append(
                 {
                     "question_id": q["question_id"],
                     "category": q["category"],
                     "method": m,
-                    "seconds": seconds,
-                    "tokens_per_second": len(tokens) / seconds,
-                    "speedup": plain_s / seconds,
-                    "mean_accepted_tokens": len(tokens) / forwards,
-                    "identical_to_plain": tokens == plain_ids,
-                    "spec_policy": policy,
+                    "seconds": run.seconds,
+                    "tokens_per_second": len(run.tokens) / run.seconds,
+                    "speedup": plain.seconds / run.seconds,
+                    "decode_seconds": run.decode_seconds,
+                    "decode_speedup": decoding,  # prefill excluded: the part speculation changes
+                    "mean_accepted_tokens": len(run.tokens) / run.forwards,
+                    "identical_to_plain": run.tokens == plain.tokens,
+                    "spec_policy": run.policy,
                 }
             )
-        print(f"{q['category']:15s} " + "  ".join(f"{m} {plain_s / results[m][1]:.2f}x" for m in methods), flush=True)
+        print(
+            f"{q['category']:15s} " + "  ".join(f"{m} {plain.seconds / results[m].seconds:.2f}x" for m in methods),
+            flush=True,
+        )
     summary = _summarize(rows, methods)
     _write(Path(args.out), args, engine, methods, rows, summary)
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+def _median(runs: list[Run]) -> Run:
+    """The first run's tokens, forwards and policy with the median of the timings."""
+    decode = [r.decode_seconds for r in runs if r.decode_seconds is not None]
+    seconds = statistics.median(r.seconds for r in runs)
+    return runs[0]._replace(seconds=seconds, decode_seconds=statistics.median(decode) if decode else None)
 
 
 def _summarize(rows: list[dict], methods: list[str]) -> list[dict]:
@@ -246,12 +269,17 @@ def _summarize(rows: list[dict], methods: list[str]) -> list[dict]:
                     "category": category,
                     "method": m,
                     "speedup": statistics.median(r["speedup"] for r in sel),
+                    "decode_speedup": statistics.median(d) if (d := _decoding(sel)) else None,
                     "mean_accepted_tokens": statistics.fmean(r["mean_accepted_tokens"] for r in sel),
                     "identical": sum(r["identical_to_plain"] for r in sel),
                     "prompts": len(sel),
                 }
             )
     return out
+
+
+def _decoding(rows: list[dict]) -> list[float]:
+    return [r["decode_speedup"] for r in rows if r["decode_speedup"] is not None]
 
 
 def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
@@ -300,6 +328,17 @@ def _write(prefix: Path, args, engine, methods, rows, summary) -> None:
             for m in methods
         ]
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    ours = [m for m in methods if get["all", m]["decode_speedup"] is not None]
+    lines += [
+        "",
+        "Decoding only (the prompt's prefill, the same work for every selfspec method, left out): median "
+        "speedup over plain decoding.",
+        "",
+        "| category | " + " | ".join(ours) + " |",
+        "|---|" + "---|" * len(ours),
+    ]
+    for c in cats:
+        lines.append(f"| {c} | " + " | ".join(f"{get[c, m]['decode_speedup']:.2f}x" for m in ours) + " |")
     if meta["spec_policy_examples"]:
         lines += ["", "The `selfspec` default configuration's policy decisions:", ""]
         lines += [f"- {p}" for p in meta["spec_policy_examples"]]
