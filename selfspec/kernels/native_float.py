@@ -28,7 +28,7 @@ class NativeFloat(native.NativeLinear):
         return self.weight.numel() * self.weight.element_size()
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.float()
+        return self.weight.float()  # float32: the weight itself, not a copy (read it, never write it)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """More than EXACT_ROWS rows (a prompt) go to torch's float32 GEMM, blocked for the caches where
