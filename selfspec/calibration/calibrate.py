@@ -250,7 +250,7 @@ def estimate_buckets(
     and lengths, and predicts every (source, γ) per group: E / (γ·c + v) for drafts that run every
     round, and for lookup (which drafts only where it matches, as many tokens as its match gives) and
     the hybrid (lookup, else its quantized copy, hybrid.FALLBACK) the ratio of mean tokens to mean cost over
-    every start position."""
+    the rounds a decode makes (walk)."""
     groups: dict[tuple, list[AcceptanceRecord]] = {}
     for r in records:
         for cat in (r.category, "all"):
@@ -336,7 +336,7 @@ class CalibrationPlan:
     temperatures: list[float]
     new_tokens: int = 64
     batch_size: int = 16  # prompts generated together
-    validate_prompts: int = 4  # prompts timed end to end per validated configuration (2 let noise flip a verdict)
+    validate_prompts: int = 4  # prompts timed (decoding) per validated configuration (2 let noise flip a verdict)
     seed: int = 0
     quantized: tuple[str, ...] = ("int4",)  # the model's own weights at these formats draft too
     lookup: bool = True  # context lookup, and the hybrid of lookup with hybrid.FALLBACK (when in `quantized`)

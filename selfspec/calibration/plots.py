@@ -71,7 +71,7 @@ def write_calibration_plots(profile, estimates, out_dir: str | Path) -> list[Pat
             [v["measured_speedup"] for v in measured],
             marker="s",
             linestyle="none",
-            label=f"{best}: measured end to end",
+            label=f"{best}: measured (decoding time)",
         )
     ax.axhline(1.0, color="gray", linestyle="--", label="plain decoding")
     ax.set(

@@ -67,7 +67,7 @@ def build_parser() -> ArgumentParser:
         "--validate-prompts",
         type=positive_int,
         default=4,
-        help="prompts timed end to end per configuration the prediction switches on (default 4)",
+        help="prompts timed (decoding, prefill left out) per configuration the prediction switches on (default 4)",
     )
     p.add_argument("--out", required=True, help="profile JSON to write; <out>.partial.jsonl keeps progress")
     p.add_argument("--plot", help="directory for PNG plots")

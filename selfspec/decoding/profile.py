@@ -40,7 +40,7 @@ class BucketChoice:
     draft_layers: int | None  # None: a drafter that runs no layers, or all of them
     gamma: int
     predicted_speedup: float
-    measured_speedup: float | None = None  # end to end, when validated
+    measured_speedup: float | None = None  # in decoding time, when validated
     drafter: str = "exit"  # round.DRAFTERS
 
 
@@ -62,7 +62,7 @@ class Profile:
     min_max_tokens: int = 16  # requests asking for fewer tokens run plain
     max_batch_size: int = 8  # above it speculation is off (compute is no longer idle)
     confidence_threshold: float = 0.0  # adaptive draft stop: end a draft when its top probability falls below
-    validation: list[dict] = field(default_factory=list)  # end-to-end measurements behind the choices
+    validation: list[dict] = field(default_factory=list)  # decoding-time measurements behind the choices
     skipped_prompts: list[str] = field(default_factory=list)  # longer than the model's context allows
     draft_heads: dict = field(default_factory=dict)  # N -> the draft head calibrated there, α with and without it
     prompts: list[str] = field(default_factory=list)  # question ids calibrated on
