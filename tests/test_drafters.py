@@ -7,7 +7,7 @@ import torch
 
 from selfspec import SamplingParams, SpecConfig
 from selfspec.calibration.distribution import sample_continuations
-from selfspec.decoding.drafter import Draft
+from selfspec.decoding.drafter import Draft, Drafter
 from selfspec.decoding.hybrid import HybridDrafter
 from selfspec.decoding.lookup import LookupDrafter, match
 from selfspec.decoding.quantized import QuantizedDrafter, share_embeddings
@@ -29,6 +29,25 @@ def test_match_takes_the_longest_recurring_suffix_most_recent_first():
     assert match([1, 2, 3, 4], 3, 4) == []  # nothing recurs
     assert match([7], 3, 4) == [] and match([], 3, 4) == []
     assert match([4, 4, 4], 2, 5) == [4]  # an occurrence overlapping the suffix: only what follows it
+    assert match([1, 2, 3, 9, 4, 2, 3], 3, 2, shortest=2) == [9, 4]  # "2 3" is long enough
+    assert match([1, 2, 3, 9, 4, 2, 3], 3, 2, shortest=3) == []  # "4 2 3" never recurs: no backing off to 2
+
+
+class Fixed(Drafter):
+    """A stand-in model drafter: proposes token 99 at every position it is asked for."""
+
+    def propose(self, model, cache, step) -> Draft:
+        return Draft([[99] * g for g in step.gammas], [[] for _ in step.gammas])
+
+
+def test_hybrid_looks_up_only_whole_ngrams():
+    """Lookup alone backs off to a one-token match; the hybrid drafts with its model drafter there, and
+    by lookup only where the last `ngram` tokens recur."""
+    history = [[1, 2, 3, 1, 2, 3], [5, 6, 7, 6]]  # row 0: "1 2 3" recurs; row 1: only "6" does
+    step = RoundInput([None, None], [3, 6], [GREEDY] * 2, [None] * 2, [2, 2], None, history=history)
+    assert LookupDrafter(3).propose(None, None, step).tokens == [[1, 2], [7, 6]]
+    assert HybridDrafter(3, Fixed()).propose(None, None, step).tokens == [[1, 2], [99, 99]]
+    assert HybridDrafter(3, None).propose(None, None, step).tokens == [[1, 2], []]  # no fallback: a plain step
 
 
 # ---- greedy: every drafter's output equals plain decoding ---------------------------------------------
@@ -75,7 +94,7 @@ def small():
 
 def drafters(small) -> dict:
     quantized = QuantizedDrafter(small[1])
-    return {"lookup": LookupDrafter(2), "int4": quantized, "hybrid": HybridDrafter(LookupDrafter(2), quantized)}
+    return {"lookup": LookupDrafter(2), "int4": quantized, "hybrid": HybridDrafter(2, quantized)}
 
 
 class WrongLookup(LookupDrafter):
@@ -168,3 +187,19 @@ def test_lookup_acceptance_replays_what_lookup_would_draft():
     p = torch.nn.functional.one_hot(torch.tensor(cont), 10).float()
     assert lookup_acceptance(prompt, cont, p, gamma=3, ngram=3) == [[1.0, 1.0, 0.0], [1.0, 0.0], [0.0]]
     assert lookup_acceptance([5, 6], [7], torch.ones(1, 10), gamma=3, ngram=3) == [[]]  # nothing recurs
+    # The hybrid's replay: a whole trigram must recur ("4 1 2" does not; "1 2 3" and "2 3 4" do).
+    assert lookup_acceptance(prompt, cont, p, gamma=3, ngram=3, shortest=3) == [[], [1.0, 0.0], [0.0]]
+
+
+def test_hybrid_estimate_replays_whole_ngram_lookups_only():
+    """Calibration predicts the hybrid from its own runs (whole n-grams), not lookup's backed-off ones:
+    where only short suffixes recur, the hybrid is its int4 fallback."""
+    from selfspec.calibration.calibrate import AcceptanceRecord, estimate_buckets
+
+    rec = AcceptanceRecord("q", "c", 10, 0.0, {"int4": [1.0] * 8})
+    rec.lookup = [[0.0]] * 8  # a one-token match everywhere, always wrong
+    rec.hybrid = [[]] * 8  # no whole n-gram anywhere
+    v = {"1": 1.1, "2": 1.2}
+    est = estimate_buckets([rec], {"int4": 0.3, "lookup": 0.01}, {"int4": v, "lookup": v})[0]
+    assert est.speedup["hybrid"] == pytest.approx(est.speedup["int4"])
+    assert est.speedup["lookup"]["2"] < 1.0 < est.speedup["int4"]["2"]

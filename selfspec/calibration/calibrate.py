@@ -46,6 +46,7 @@ class AcceptanceRecord:
     top_prob: dict[str, list[float]] = field(default_factory=dict)  # source -> the draft's top probability
     plain_exit: dict[str, list[float]] = field(default_factory=dict)  # N with a draft head -> acceptance without it
     lookup: list[list[float]] = field(default_factory=list)  # per start position: β of each token lookup drafts
+    hybrid: list[list[float]] = field(default_factory=list)  # the same for the hybrid's lookup (whole n-gram only)
 
     @property
     def length_bucket(self) -> str:
@@ -108,15 +109,16 @@ def teacher_forced_acceptance(
 
 
 def lookup_acceptance(
-    prompt: list[int], continuation: list[int], p: torch.Tensor, gamma: int, ngram: int
+    prompt: list[int], continuation: list[int], p: torch.Tensor, gamma: int, ngram: int, shortest: int = 1
 ) -> list[list[float]]:
     """Per start position s of the continuation: the acceptance probability of each token lookup would
-    draft there (its context: prompt + continuation[:s]). p [len(continuation), vocab] is the target's
-    teacher-forced distribution; a draft past the first one that differs from the continuation has an
-    unmeasured context, so it counts as rejected (conservative)."""
+    draft there (its context: prompt + continuation[:s]; suffixes of `ngram` .. `shortest` tokens).
+    p [len(continuation), vocab] is the target's teacher-forced distribution; a draft past the first
+    one that differs from the continuation has an unmeasured context, so it counts as rejected
+    (conservative)."""
     out = []
     for s in range(len(continuation)):
-        run = match(prompt + continuation[:s], ngram, min(gamma, len(continuation) - s))
+        run = match(prompt + continuation[:s], ngram, min(gamma, len(continuation) - s), shortest)
         betas = []
         for i, d in enumerate(run):
             betas.append(float(p[s + i, d]) if i == 0 or run[i - 1] == continuation[s + i - 1] else 0.0)
@@ -249,8 +251,8 @@ def estimate_buckets(
     """Groups records by (category, length bucket, temperature), plus 'all' rows across categories
     and lengths, and predicts every (source, γ) per group: E / (γ·c + v) for drafts that run every
     round, and for lookup (which drafts only where it matches, as many tokens as its match gives) and
-    the hybrid (lookup, else its quantized copy, hybrid.FALLBACK) the ratio of mean tokens to mean cost over
-    the rounds a decode makes (walk)."""
+    the hybrid (lookup where the whole n-gram recurs, else its quantized copy, hybrid.FALLBACK) the
+    ratio of mean tokens to mean cost over the rounds a decode makes (walk)."""
     groups: dict[tuple, list[AcceptanceRecord]] = {}
     for r in records:
         for cat in (r.category, "all"):
@@ -276,11 +278,12 @@ def estimate_buckets(
                 speed[n][g] = e / (int(g) * c[n] + v[n][g])
         if "lookup" in c and all(r.lookup for r in recs):
             for name, other in (("lookup", None), ("hybrid", fallback)):
-                if name == "hybrid" and other is None:
+                if name == "hybrid" and (other is None or not all(r.hybrid for r in recs)):
                     continue
                 tpr[name], speed[name] = {}, {}
+                runs = [r.lookup if name == "lookup" else r.hybrid for r in recs]
                 for g in gammas:
-                    tokens, cost = _mixed_rounds(recs, int(g), c, v, other)
+                    tokens, cost = _mixed_rounds(recs, runs, int(g), c, v, other)
                     tpr[name][g], speed[name][g] = tokens, tokens / cost
             drafted = [b for r in recs for run in r.lookup for b in run[:1]]
             alpha["lookup"] = sum(drafted) / len(drafted) if drafted else 0.0
@@ -289,14 +292,14 @@ def estimate_buckets(
 
 
 def _mixed_rounds(
-    recs: list[AcceptanceRecord], gamma: int, c: dict, v: dict, fallback: str | None
+    recs: list[AcceptanceRecord], runs: list[list[list[float]]], gamma: int, c: dict, v: dict, fallback: str | None
 ) -> tuple[float, float]:
     """(mean tokens per round, mean cost per round in full steps) over the rounds a decode makes (walk):
-    lookup's run where it matches (up to γ drafts; cost v of that many), else the fallback's γ drafts,
-    or a plain step (cost 1) without a fallback."""
+    the lookup run where it matches (runs[i]: record i's β per start position; up to γ drafts; cost v
+    of that many), else the fallback's γ drafts, or a plain step (cost 1) without a fallback."""
 
-    def round_at(r: AcceptanceRecord, s: int) -> tuple[float, float]:
-        run = r.lookup[s][:gamma]
+    def round_at(r: AcceptanceRecord, run: list[float], s: int) -> tuple[float, float]:
+        run = run[:gamma]
         if run:
             return 1 + expected_accepted_from_positions(run), len(run) * c["lookup"] + v["lookup"][str(len(run))]
         if fallback is not None:
@@ -305,8 +308,8 @@ def _mixed_rounds(
         return 1.0, 1.0
 
     tokens, costs = [], []
-    for r in recs:
-        t, k = walk(len(r.lookup), lambda s, r=r: round_at(r, s))
+    for r, rr in zip(recs, runs):
+        t, k = walk(len(rr), lambda s, r=r, rr=rr: round_at(r, rr[s], s))
         tokens += t
         costs += k
     return (statistics.fmean(tokens), statistics.fmean(costs)) if tokens else (1.0, 1.0)
@@ -393,8 +396,10 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
                 accept, top, plain, p = teacher_forced_acceptance(
                     model, cache, prompt, cont, plan.draft_layers, t, engine.heads, copies
                 )
-                runs = lookup_acceptance(prompt, cont, p, max(plan.gammas), plan.ngram) if plan.lookup else []
-                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top, plain, runs)
+                rec = AcceptanceRecord(str(q["question_id"]), q["category"], len(prompt), t, accept, top, plain)
+                if plan.lookup:
+                    rec.lookup = lookup_acceptance(prompt, cont, p, max(plan.gammas), plan.ngram)
+                    rec.hybrid = lookup_acceptance(prompt, cont, p, max(plan.gammas), plan.ngram, plan.ngram)
                 records.append(rec)
                 _append_partial(partial_path, {_key(q, t): rec.__dict__})
                 if bar:

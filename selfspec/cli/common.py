@@ -100,9 +100,16 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         help="what drafts: 'exit' (the first N layers), 'head' (the trained draft head at N), "
         "'auto' (the profile's choice; with --draft-layers the head where one exists at N, else the exit), "
         "'int4'/'int8' (the model's own weights at 4/8 bits: all layers, or the first N), "
-        "'lookup' (n-gram match over the prompt and output), 'hybrid' (lookup where it matches, else int4)",
+        "'lookup' (n-gram match over the prompt and output), "
+        "'hybrid' (lookup where the last --ngram tokens recur, else int4)",
     )
-    g.add_argument("--ngram", type=positive_int, metavar="N", help="lookup/hybrid: longest suffix matched (default 3)")
+    g.add_argument(
+        "--ngram",
+        type=positive_int,
+        metavar="N",
+        help="lookup: longest suffix matched, backing off to 1 token; hybrid: the suffix that must recur "
+        "for lookup to draft (default 3)",
+    )
     g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
     g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")
     g.add_argument("--category", help="request category for the profile's buckets (e.g. qa, translation)")

@@ -139,7 +139,7 @@ class Engine:
         if kind == "lookup":
             return LookupDrafter(ngram)
         if kind == "hybrid":
-            return HybridDrafter(LookupDrafter(ngram), self._make_drafter(hybrid.FALLBACK, n, ngram))
+            return HybridDrafter(ngram, self._make_drafter(hybrid.FALLBACK, n, ngram))
         return QuantizedDrafter(self.draft_model(kind), n)
 
     def preload(self) -> None:

@@ -1,6 +1,6 @@
 """Context lookup (prompt lookup / n-gram drafting): the draft is the continuation of the most recent
 earlier occurrence of the row's last n tokens in its own prompt and output, tried from n = `ngram`
-down to 1. Free to draft (no forward pass), right often where the answer copies its context (RAG,
+down to `shortest` (default 1). Free to draft (no forward pass), right often where the answer copies its context (RAG,
 summarization, code edits).
 
 A lookup draft is a point mass: q = onehot(d). The acceptance rule then keeps d with probability
@@ -24,28 +24,30 @@ if TYPE_CHECKING:
 class LookupDrafter(Drafter):
     name = "lookup"
 
-    def __init__(self, ngram: int = 3) -> None:
-        self.ngram = ngram
+    def __init__(self, ngram: int = 3, shortest: int = 1) -> None:
+        if not 1 <= shortest <= ngram:
+            raise ValueError(f"shortest={shortest} is invalid: use 1 .. ngram ({ngram})")
+        self.ngram, self.shortest = ngram, shortest
 
     def describe(self) -> dict:
-        return {"drafter": self.name, "ngram": self.ngram}
+        return {"drafter": self.name, "ngram": self.ngram, "shortest": self.shortest}
 
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
         if step.history is None:
             raise ValueError("the lookup drafter needs the rows' token history (RoundInput.history)")
-        tokens = [match(h, self.ngram, g) if g > 0 else [] for h, g in zip(step.history, step.gammas)]
+        tokens = [match(h, self.ngram, g, self.shortest) if g > 0 else [] for h, g in zip(step.history, step.gammas)]
         return Draft(tokens, [[] for _ in tokens])
 
 
-def match(history: list[int], ngram: int, limit: int) -> list[int]:
+def match(history: list[int], ngram: int, limit: int, shortest: int = 1) -> list[int]:
     """Up to `limit` tokens following the most recent earlier occurrence of history's last n tokens
-    (n = ngram .. 1; the longest suffix that recurs wins); [] when none recurs."""
+    (n = ngram .. shortest; the longest suffix that recurs wins); [] when none recurs."""
     if len(history) < 2:
         return []
     # On the host whatever the model's device: the history is a Python list, the answer goes back to one,
     # and a few thousand ids compare faster here than a round trip to a GPU.
     seq = torch.tensor(history, device="cpu")  # [T]
-    for n in range(min(ngram, len(history) - 1), 0, -1):
+    for n in range(min(ngram, len(history) - 1), shortest - 1, -1):
         windows = seq[:-1].unfold(0, n, 1)  # [T - n, n]: every n-gram that has a token after it
         hits = (windows == seq[-n:]).all(-1).nonzero()  # [H, 1] start positions of earlier occurrences
         if hits.numel():

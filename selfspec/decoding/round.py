@@ -25,7 +25,7 @@ MAX_SPECULATIVE_TOKENS = 32
 # What drafts (decoding/drafter.py and one file per source):
 # exit: the first N layers; head: the trained head at N; auto: the head where one exists at N, else the exit;
 # int4 / int8: the model's own weights at 4 / 8 bits (all layers, or the first N); lookup: n-gram match
-# over the prompt and output so far; hybrid: lookup where it matches, the int4 self-draft elsewhere.
+# over the prompt and output so far; hybrid: lookup where the whole n-gram recurs, the int4 self-draft elsewhere.
 DRAFTERS = ("auto", "exit", "head", "int4", "int8", "lookup", "hybrid")
 EXIT_DRAFTERS = ("auto", "exit", "head")  # need N below the layer count; they resume verification at N
 MAX_NGRAM = 8
@@ -35,7 +35,7 @@ MAX_NGRAM = 8
 class SpecConfig:
     """Draft through `drafter` (with its first `draft_layers` layers where it runs layers; None: all of
     them for int4/int8, unused by lookup); propose up to `num_speculative_tokens` (γ) per round; lookup
-    matches the last `ngram` .. 1 tokens."""
+    matches the last `ngram` .. 1 tokens, the hybrid's lookup the last `ngram` only."""
 
     draft_layers: int | None = None
     num_speculative_tokens: int = 4
