@@ -194,6 +194,10 @@ def test_calibrate_resumes_from_partial_results(calibrated, monkeypatch, capsys)
     monkeypatch.setattr(calibration, "teacher_forced_acceptance", boom)
     monkeypatch.setattr(calibration, "time_costs", boom)
     assert main(argv) == 0  # every record and the costs come from <out>.partial.jsonl
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    best = {(e["source"], e["temperature"]): e for e in summary["sources"]}  # each source's best γ over all prompts
+    assert set(best) == {(s, t) for s in ("1", "2", "3", "int4", "lookup", "hybrid") for t in (0.0, 0.7)}
+    assert all(1 <= e["gamma"] <= 3 and e["predicted_speedup"] > 0 for e in best.values())
 
 
 def test_engine_follows_its_profile(calibrated, tiny_checkpoint):

@@ -173,6 +173,7 @@ def _body(args) -> int:
         "buckets_on": sum(1 for b in profile.buckets if (b.measured_speedup or b.predicted_speedup) >= 1.0),
         "buckets": len(profile.buckets),
         "validation": profile.validation,
+        "sources": best_per_source(estimates),
     }
     if args.json:
         print(json.dumps(summary))
@@ -184,6 +185,11 @@ def _body(args) -> int:
         f"acceptance knee at N={profile.knee}; best exit depth N={profile.best_draft_layers}; "
         f"speculation off above T={profile.temperature_threshold:g}"
     )
+    for e in summary["sources"]:
+        print(
+            f"  all prompts/T={e['temperature']:g} {e['source']}: best gamma={e['gamma']}, "
+            f"predicted {e['predicted_speedup']:.2f}x"
+        )
     for v in profile.validation:
         print(
             f"  {v['category']}/T={v['temperature']:g} {v['source']} gamma={v['gamma']}: "
@@ -192,6 +198,20 @@ def _body(args) -> int:
     for p in plots:
         print(f"plot: {p}")
     return 0
+
+
+def best_per_source(estimates) -> list[dict]:
+    """Each draft source's best γ and predicted speedup over every prompt, per temperature: how the
+    sources compare on this machine, whichever one each bucket picked."""
+    out = []
+    for e in estimates:
+        if e.category == "all" and e.length_bucket == "all":
+            for source, by_gamma in e.speedup.items():
+                g = max(by_gamma, key=by_gamma.get)
+                out.append(
+                    {"temperature": e.temperature, "source": source, "gamma": int(g), "predicted_speedup": by_gamma[g]}
+                )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
