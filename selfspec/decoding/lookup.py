@@ -1,7 +1,7 @@
 """Context lookup (prompt lookup / n-gram drafting): the draft is the continuation of the most recent
 earlier occurrence of the row's last n tokens in its own prompt and output, tried from n = `ngram`
-down to `shortest` (default 1). Free to draft (no forward pass), right often where the answer copies its context (RAG,
-summarization, code edits).
+down to `shortest` (default 1; the hybrid takes whole n-grams only). Free to draft (no forward pass),
+right often where the answer copies its context (RAG, summarization, code edits).
 
 A lookup draft is a point mass: q = onehot(d). The acceptance rule then keeps d with probability
 p(d) and recovers from normalize(max(0, p - onehot(d))) — which the round builds for every draft
