@@ -2,11 +2,12 @@
 KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
 
     python benchmarks/step.py [--configs float32:auto,float32:int4,bfloat16:auto] [--queries 1,5]
-                              [--ops fused,eager] [--steps 40] [--repeats 5] [--threads 2]
-                              [--out benchmarks/results/step]
+                              [--ops fused,eager] [--contexts 300] [--steps 40] [--repeats 5]
+                              [--threads 2] [--out benchmarks/results/step]
 
-A step is one forward of `k` query tokens after a 300-token prompt plus the logits a decoder reads
-(the last row for k = 1, every row for a k-token verification), then a rollback to 300 positions.
+A step is one forward of `k` query tokens after a `context`-token prompt plus the logits a decoder reads
+(the last row for k = 1, every row for a k-token verification), then a rollback to the prompt's end.
+Attention's share grows with the context (a RAG prompt is ~1000 tokens).
 "Rest" is timed with every linear replaced by a preallocated zero tensor of its output shape
 (calibration.roofline.zero_linears, which `selfspec roofline` uses too), "linears" is the full step
 minus the rest.
@@ -36,20 +37,19 @@ from selfspec.calibration.roofline import zero_linears  # noqa: E402
 from selfspec.model.loader import load  # noqa: E402
 from selfspec.model.ops import Eager  # noqa: E402
 
-PROMPT = list(range(100, 400))  # 300 tokens
 
-
-def step_fn(model, k: int):
-    cache = model.new_cache(2048)
+def step_fn(model, k: int, context: int = 300):
+    prompt = [100 + i % 30000 for i in range(context)]
+    cache = model.new_cache(context + 64)
     seq = cache.allocate()
-    model.prefill(cache, seq, PROMPT)
+    model.prefill(cache, seq, prompt)
     tokens = torch.tensor([[5] * k])
     rows = slice(-1, None) if k == 1 else slice(None)
 
     def step() -> None:
         h = model.forward(tokens, cache, [seq])  # [1, k, hidden]
         model.logits(h[:, rows])
-        cache.truncate(seq, len(PROMPT))
+        cache.truncate(seq, context)
 
     return step
 
@@ -61,15 +61,17 @@ def per_step_ms(step, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def measure(config: str, queries: list[int], ops: list[str], steps: int, repeats: int) -> list[dict]:
+def measure(
+    config: str, queries: list[int], ops: list[str], contexts: list[int], steps: int, repeats: int
+) -> list[dict]:
     dtype, weights = config.split(":")
     model = load("default", dtype, weights).model
     glue = {"eager": Eager(model.config, model.rope), model.ops.name: model.ops}
     rows = []
     with torch.inference_mode():
-        for name, k in ((name, k) for name in ops if name in glue for k in queries):
+        for name, n, k in ((name, n, k) for name in ops if name in glue for n in contexts for k in queries):
             model.ops = glue[name]
-            step = step_fn(model, k)
+            step = step_fn(model, k, n)
             for _ in range(30):  # warm-up: the first forwards pay for the VM's page reclaim
                 step()
             full, rest = [], []
@@ -81,10 +83,14 @@ def measure(config: str, queries: list[int], ops: list[str], steps: int, repeats
                 step()
             f, r = statistics.median(full), statistics.median(rest)
             rows.append(
-                {"config": config, "backend": model.kernels.backend, "ops": name, "queries": k, "step_ms": round(f, 2)}
+                {"config": config, "backend": model.kernels.backend, "ops": name, "context": n, "queries": k}
+                | {"step_ms": round(f, 2)}
                 | {"linears_ms": round(f - r, 2), "rest_ms": round(r, 2), "rest_runs_ms": [round(x, 2) for x in rest]}
             )
-            print(f"{config:18s} {name:5s} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}", flush=True)
+            print(
+                f"{config:18s} {name:5s} context={n} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}",
+                flush=True,
+            )
     return rows
 
 
@@ -93,6 +99,7 @@ def main() -> None:
     ap.add_argument("--configs", default="float32:auto,float32:int4,bfloat16:auto")
     ap.add_argument("--queries", default="1,5")
     ap.add_argument("--ops", default="fused,eager")
+    ap.add_argument("--contexts", default="300", help="prompt lengths before the step, comma-separated")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -101,15 +108,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     queries = [int(q) for q in args.queries.split(",")]
     ops = args.ops.split(",")
-    rows = [r for c in args.configs.split(",") for r in measure(c, queries, ops, args.steps, args.repeats)]
+    contexts = [int(n) for n in args.contexts.split(",")]
+    rows = [r for c in args.configs.split(",") for r in measure(c, queries, ops, contexts, args.steps, args.repeats)]
     machine = describe(args.threads)
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
     lines = [
-        "| config | backend | glue ops | queries | step ms | linears ms | rest ms |",
-        "|---|---|---|---|---|---|---|",
+        "| config | backend | glue ops | context | queries | step ms | linears ms | rest ms |",
+        "|---|---|---|---|---|---|---|---|",
         *(
-            f"| {r['config']} | {r['backend']} | {r['ops']} | {r['queries']} | {r['step_ms']} | {r['linears_ms']} "
+            f"| {r['config']} | {r['backend']} | {r['ops']} | {r['context']} | {r['queries']} | {r['step_ms']} "
+            f"| {r['linears_ms']} "
             f"| {r['rest_ms']} |"
             for r in rows
         ),

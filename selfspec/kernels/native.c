@@ -16,9 +16,12 @@
  * each position exactly as the 1-token step would. Activations are float32 (bf = 0) or bfloat16
  * (bf = 1, computed in float32 and rounded to nearest even where torch rounds). The glue is
  * single-threaded (at decoding sizes a parallel region costs more than the work), except attention's
- * heads; the linears split their output columns over OpenMP threads. Built and loaded by native.py. */
+ * queries; the linears split their output columns over OpenMP threads. Built and loaded by native.py. */
 
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -174,36 +177,31 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf) {
     free(t);
 }
 
-/* out [dim] = sum over keys k of p[k] * v_k, v_k the cache's row `base + slot[k]`. The accumulators stay
- * in registers for the head sizes that matter (dim a constant after inlining: 64, 128). */
-static inline __attribute__((always_inline)) void weigh(const float *p, int64_t n, const int64_t *slot,
-                                                        const void *kv, int64_t base, int64_t dim, float *kt,
-                                                        float *out, int bf) {
-    v8 acc[16] = {{0}};
+/* acc [dim] += sum over keys k < n of p[k] * v[k], one key after another (the same order whichever chunks
+ * a caller splits the keys into: acc goes through memory between chunks, which keeps its bits). The
+ * accumulators stay in registers for the head sizes that matter (dim a constant after inlining: 64, 128). */
+static inline __attribute__((always_inline)) void weigh(const float *p, int64_t n, const float *const *v, int64_t dim,
+                                                        float *acc) {
+    v8 a[16];
     int64_t vectors = dim / LANES;
+    for (int64_t i = 0; i < vectors; i++) a[i] = load8(acc + i * LANES);
     for (int64_t k = 0; k < n; k++) {
-        const float *v = row(kv, (base + slot[k]) * dim, dim, kt, bf);
         v8 w = splat8(p[k]);
-        for (int64_t i = 0; i < vectors; i++) acc[i] = fma8(acc[i], w, load8(v + i * LANES));
+        for (int64_t i = 0; i < vectors; i++) a[i] = fma8(a[i], w, load8(v[k] + i * LANES));
     }
-    memcpy(out, acc, sizeof(float) * (size_t)dim);
+    memcpy(acc, a, sizeof(float) * (size_t)dim);
 }
 
-static void weighted_sum(const float *p, int64_t n, const int64_t *slot, const void *kv, int64_t base, int64_t dim,
-                         float *kt, float *out, int bf) {
+static void weighted_sum(const float *p, int64_t n, const float *const *v, int64_t dim, float *acc) {
     if (dim == 64)
-        weigh(p, n, slot, kv, base, 64, kt, out, bf);
+        weigh(p, n, v, 64, acc);
     else if (dim == 128)
-        weigh(p, n, slot, kv, base, 128, kt, out, bf);
+        weigh(p, n, v, 128, acc);
     else if (dim % LANES == 0 && dim <= 16 * LANES)
-        weigh(p, n, slot, kv, base, dim, kt, out, bf);
-    else { /* any other head size: one value at a time */
-        for (int64_t i = 0; i < dim; i++) out[i] = 0.0f;
-        for (int64_t k = 0; k < n; k++) {
-            const float *v = row(kv, (base + slot[k]) * dim, dim, kt, bf);
-            for (int64_t i = 0; i < dim; i++) out[i] += p[k] * v[i];
-        }
-    }
+        weigh(p, n, v, dim, acc);
+    else /* any other head size: one value at a time */
+        for (int64_t k = 0; k < n; k++)
+            for (int64_t i = 0; i < dim; i++) acc[i] += p[k] * v[k][i];
 }
 
 /* x [dim] <- x * cos + roll(x, dim / 2) * sin_signed, each product and the sum rounded as torch's
@@ -245,51 +243,75 @@ static inline __attribute__((always_inline)) v8 dot8(const float *q, const float
 #endif
 }
 
-/* Query head h (of kv head g's group) of sequence b over its keys: scores, softmax, weighted values.
- * Each of the sequence's m real rows j reads keys [begin[j], end[j]); slot[k - lo] is key k's cache slot. */
-static void attend_head(const void *qkv, const void *kv, int64_t slots, const int64_t *slot, int64_t lo, int64_t hi,
-                        const int64_t *begin, const int64_t *end, int64_t first, int64_t m, int64_t g, int64_t h,
-                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t width, float scale, void *out, int bf) {
-    int64_t group = heads / kv_heads, head = g * group + h, stride = hi - lo + LANES;
-    float *scratch = malloc(sizeof(float) * (size_t)(m * (dim + stride) + (LANES + 1) * dim + m));
-    float *q = scratch, *p = q + m * dim, *kt = p + m * stride, *acc = kt + LANES * dim, *top = acc + dim;
-    for (int64_t j = 0; j < m; j++) {
-        const float *qj = row(qkv, (first + j) * width + head * dim, dim, q + j * dim, bf);
-        if (qj != q + j * dim) memcpy(q + j * dim, qj, sizeof(float) * (size_t)dim);
-        top[j] = -INFINITY;
+#define CHUNK 64 /* values per pass over the queries: 16 KB at dim 64, shared from L1 */
+
+/* Queries [i0, i1) of kv head g's group in sequence b, query i being query head g * group + i / m of
+ * real row i % m, over their keys: scores, softmax, weighted values. The queries share each read of a
+ * key and a value (a kv head's keys and values are read once per call, not once per query head or
+ * row); each query's arithmetic is its own, the same in any company. Row j reads keys [begin[j],
+ * end[j]); slot[k - lo] is key k's cache slot. */
+static void attend_group(const void *qkv, const void *kv, int64_t slots, const int64_t *slot, int64_t lo,
+                         int64_t hi, const int64_t *begin, const int64_t *end, int64_t first, int64_t m, int64_t g,
+                         int64_t i0, int64_t i1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
+                         float scale, void *out, int bf) {
+    int64_t group = heads / kv_heads, queries = i1 - i0, stride = hi - lo + LANES; /* local i: i0 + i */
+    int64_t buffered = CHUNK > LANES ? CHUNK : LANES;
+    float *scratch = malloc(sizeof(float) * (size_t)(queries * (2 * dim + stride + 2) + buffered * dim));
+    float *q = scratch, *p = q + queries * dim, *acc = p + queries * stride, *top = acc + queries * dim;
+    float *total = top + queries, *kt = total + queries;
+    const float **v = malloc(sizeof(float *) * CHUNK);
+    for (int64_t i = 0; i < queries; i++) {
+        int64_t head = g * group + (i0 + i) / m, at = (first + (i0 + i) % m) * width + head * dim;
+        const float *qi = row(qkv, at, dim, q + i * dim, bf);
+        if (qi != q + i * dim) memcpy(q + i * dim, qi, sizeof(float) * (size_t)dim);
+        top[i] = -INFINITY;
     }
-    for (int64_t k = lo; k < hi; k += LANES) { /* 8 keys at a time; the rows share each key read */
+    for (int64_t k = lo; k < hi; k += LANES) { /* 8 keys at a time; every query shares each key read */
         const float *keys[LANES];
         for (int l = 0; l < LANES; l++) { /* past the last key: the last key again, its score unused */
             int64_t at = k + l < hi ? k + l : hi - 1;
             keys[l] = row(kv, (g * slots + slot[at - lo]) * dim, dim, kt + l * dim, bf);
         }
-        for (int64_t j = 0; j < m; j++) {
+        for (int64_t i = 0; i < queries; i++) {
+            int64_t j = (i0 + i) % m;
             if (k + LANES <= begin[j] || k >= end[j]) continue;
-            v8 sc = (dim == 64 ? dot8(q + j * dim, keys, 64) : dot8(q + j * dim, keys, dim)) * splat8(scale);
-            float best = top[j], *pj = p + j * stride - begin[j];
+            v8 sc = (dim == 64 ? dot8(q + i * dim, keys, 64) : dot8(q + i * dim, keys, dim)) * splat8(scale);
+            float best = top[i], *pi = p + i * stride - begin[j];
             for (int l = 0; l < LANES; l++)
                 if (k + l >= begin[j] && k + l < end[j]) {
-                    pj[k + l] = sc[l];
+                    pi[k + l] = sc[l];
                     best = sc[l] > best ? sc[l] : best;
                 }
-            top[j] = best;
+            top[i] = best;
         }
     }
-    for (int64_t j = 0; j < m; j++) { /* softmax, in vectors counted from the row's own first key */
-        int64_t n = end[j] - begin[j];
-        float *pj = p + j * stride;
-        for (int64_t k = n; k < n + LANES; k++) pj[k] = -INFINITY; /* the last vector's padding */
+    for (int64_t i = 0; i < queries; i++) { /* softmax, in vectors counted from the row's own first key */
+        int64_t n = end[(i0 + i) % m] - begin[(i0 + i) % m];
+        float *pi = p + i * stride;
+        for (int64_t k = n; k < n + LANES; k++) pi[k] = -INFINITY; /* the last vector's padding */
         v8 sum = {0};
         for (int64_t k = 0; k < n; k += LANES) {
-            v8 e = exp8(load8(pj + k) - top[j]);
-            memcpy(pj + k, &e, sizeof e);
+            v8 e = exp8(load8(pi + k) - top[i]);
+            memcpy(pi + k, &e, sizeof e);
             sum += e;
         }
-        float total = sum8(sum);
-        weighted_sum(pj, n, slot + begin[j] - lo, kv, (kv_heads + g) * slots, dim, kt, acc, bf);
-        for (int64_t d = 0; d < dim; d++) put(out, (first + j) * heads * dim + head * dim + d, acc[d] / total, bf);
+        total[i] = sum8(sum);
+        memset(acc + i * dim, 0, sizeof(float) * (size_t)dim);
     }
+    for (int64_t c = lo; c < hi; c += CHUNK) { /* CHUNK values at a time; every query shares each read */
+        int64_t stop = c + CHUNK < hi ? c + CHUNK : hi;
+        for (int64_t k = c; k < stop; k++)
+            v[k - c] = row(kv, ((kv_heads + g) * slots + slot[k - lo]) * dim, dim, kt + (k - c) * dim, bf);
+        for (int64_t i = 0; i < queries; i++) {
+            int64_t j = (i0 + i) % m, a = c > begin[j] ? c : begin[j], b = stop < end[j] ? stop : end[j];
+            if (a < b) weighted_sum(p + i * stride + a - begin[j], b - a, v + a - c, dim, acc + i * dim);
+        }
+    }
+    for (int64_t i = 0; i < queries; i++) {
+        int64_t head = g * group + (i0 + i) / m, at = (first + (i0 + i) % m) * heads * dim + head * dim;
+        for (int64_t d = 0; d < dim; d++) put(out, at + d, acc[i * dim + d] / total[i], bf);
+    }
+    free(v);
     free(scratch);
 }
 
@@ -302,8 +324,9 @@ static void attend_head(const void *qkv, const void *kv, int64_t slots, const in
  *   tables      [batch, max_blocks] each sequence's blocks; num_tokens [batch] its real rows (the rest
  *               of its seq_len rows are padding: written to their slot, output zero)
  *   out         [batch * seq_len, heads * dim]
- * A row at position p attends to keys [max(0, p + 1 - window), p] (window 0: no window). The heads of
- * all sequences are split over `threads` OpenMP threads; a head's arithmetic is the same on any. */
+ * A row at position p attends to keys [max(0, p + 1 - window), p] (window 0: no window). The queries
+ * (a row's query heads) of all sequences are split over `threads` OpenMP threads; a query's arithmetic
+ * is the same on any. */
 void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots, const int64_t *positions,
             const int64_t *write_slots, const int64_t *tables, int64_t max_blocks, int64_t block_size,
             const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
@@ -346,12 +369,27 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
             for (; off < block_size && k < hi[b]; off++, k++) slot[b][k - lo[b]] = block * block_size + off;
         }
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t u = 0; u < batch * heads; u++) {
-        int64_t b = u / heads, head = u % heads, first = b * seq_len;
-        if (num_tokens[b] == 0) continue;
-        attend_head(qkv, kv, slots, slot[b], lo[b], hi[b], begin + first, end + first, first, num_tokens[b],
-                    head / group, head % group, heads, kv_heads, dim, width, scale, out, bf);
+    /* Every query (sequence, kv head, query head, real row), in that order, split evenly into one
+     * contiguous range per thread; a range's queries of one kv head go to one attend_group call. */
+    int64_t queries = 0;
+    for (int64_t b = 0; b < batch; b++) queries += heads * num_tokens[b];
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
+#else
+        int64_t part = 0, parts = 1;
+#endif
+        int64_t start = queries * part / parts, stop = queries * (part + 1) / parts, base = 0;
+        for (int64_t b = 0; b < batch; base += heads * num_tokens[b], b++) {
+            int64_t m = num_tokens[b], per = group * m, first = b * seq_len;
+            for (int64_t u = start > base ? start : base; u < stop && u < base + heads * m;) {
+                int64_t g = (u - base) / per, i0 = (u - base) % per, i1 = i0 + stop - u < per ? i0 + stop - u : per;
+                attend_group(qkv, kv, slots, slot[b], lo[b], hi[b], begin + first, end + first, first, m, g, i0, i1,
+                             heads, kv_heads, dim, width, scale, out, bf);
+                u += i1 - i0;
+            }
+        }
     }
     for (int64_t b = 0; b < batch; b++) free(slot[b]);
     free(slot);
