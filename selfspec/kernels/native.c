@@ -256,15 +256,16 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
                          float scale, void *out, int bf) {
     int64_t group = heads / kv_heads, queries = i1 - i0, stride = hi - lo + LANES; /* local i: i0 + i */
     int64_t buffered = CHUNK > LANES ? CHUNK : LANES;
-    float *scratch = malloc(sizeof(float) * (size_t)(queries * (2 * dim + stride + 2) + buffered * dim));
+    float *scratch = malloc(sizeof(float) * (size_t)(queries * (2 * dim + stride + 2 + LANES) + buffered * dim));
     float *q = scratch, *p = q + queries * dim, *acc = p + queries * stride, *top = acc + queries * dim;
-    float *total = top + queries, *kt = total + queries;
+    float *total = top + queries, *peak = total + queries, *kt = peak + queries * LANES;
     const float **v = malloc(sizeof(float *) * CHUNK);
     for (int64_t i = 0; i < queries; i++) {
         int64_t head = g * group + (i0 + i) / m, at = (first + (i0 + i) % m) * width + head * dim;
         const float *qi = row(qkv, at, dim, q + i * dim, bf);
         if (qi != q + i * dim) memcpy(q + i * dim, qi, sizeof(float) * (size_t)dim);
         top[i] = -INFINITY;
+        for (int l = 0; l < LANES; l++) peak[i * LANES + l] = -INFINITY;
     }
     for (int64_t k = lo; k < hi; k += LANES) { /* 8 keys at a time; every query shares each key read */
         const float *keys[LANES];
@@ -277,6 +278,13 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
             if (k + LANES <= begin[j] || k >= end[j]) continue;
             v8 sc = (dim == 64 ? dot8(q + i * dim, keys, 64) : dot8(q + i * dim, keys, dim)) * splat8(scale);
             float best = top[i], *pi = p + i * stride - begin[j];
+            if (k >= begin[j] && k + LANES <= end[j]) { /* all 8 keys are the row's: a running max per lane */
+                v8 was = load8(peak + i * LANES);
+                memcpy(pi + k, &sc, sizeof sc);
+                was = select8((v8i)(sc > was), sc, was);
+                memcpy(peak + i * LANES, &was, sizeof was);
+                continue;
+            }
             for (int l = 0; l < LANES; l++)
                 if (k + l >= begin[j] && k + l < end[j]) {
                     pi[k + l] = sc[l];
@@ -288,6 +296,7 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
     for (int64_t i = 0; i < queries; i++) { /* softmax, in vectors counted from the row's own first key */
         int64_t n = end[(i0 + i) % m] - begin[(i0 + i) % m];
         float *pi = p + i * stride;
+        for (int l = 0; l < LANES; l++) top[i] = peak[i * LANES + l] > top[i] ? peak[i * LANES + l] : top[i];
         for (int64_t k = n; k < n + LANES; k++) pi[k] = -INFINITY; /* the last vector's padding */
         v8 sum = {0};
         for (int64_t k = 0; k < n; k += LANES) {
