@@ -194,3 +194,25 @@ def test_a_shape_the_backend_cannot_pack_runs_dense_and_says_so():
     assert any("250x64 weight runs on dense" in r for r in model.kernels.reasons) and not model.kernels.row_exact
     cache = model.new_cache(16)
     assert model.logits(model.forward(torch.tensor([[1, 2, 3]]), cache, [cache.allocate()])).shape[-1] == 250
+
+
+@pytest.mark.skipif(NativeFloat.unavailable(torch.float32) is not None, reason="native.c unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_float_panels_take_any_width_and_keep_rows_exact(dtype, monkeypatch):
+    """native's float weights are packed in panels of 16 output columns, the last one padded: a width
+    that is not a multiple of 16 (a 250-token head) computes its real columns only, unpacks to the
+    weight, and every tile shape (1-3 rows span several panels, 4-6 one, more rows several row blocks)
+    and thread count gives a row the same bits."""
+    w, _ = weight(out=250, inn=192, seed=4)
+    lin = NativeFloat(w, None, dtype)
+    assert lin.panels.shape == (16, 192, 16) and torch.equal(lin.dequantized(), w.to(dtype).float())
+    x = torch.randn(13, 192, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ref = x.float() @ w.to(dtype).float().t()
+    one = torch.cat([lin(x[i : i + 1]) for i in range(13)])
+    assert one.shape == (13, 250) and ((one.float() - ref).abs().max() / ref.abs().max()) < TOLERANCE[str(dtype)[6:]]
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        for k in (2, 3, 4, 6, 7, 8, 12, 13):
+            assert torch.equal(lin(x[:k]), one[:k]), (threads, k)
+    prompt = torch.randn(EXACT_ROWS + 5, 192, generator=torch.Generator().manual_seed(6))
+    assert torch.allclose(lin(prompt.to(dtype)).float(), prompt.to(dtype).float() @ w.to(dtype).float().t(), atol=1e-2)
