@@ -43,7 +43,7 @@ class NativeFloat(native.NativeLinear):
     def transposed(self) -> torch.Tensor:
         """W.T [in, out] in float32, unpacked (one copy) for a prompt's GEMM: as fast as F.linear on the
         plain weight for the layers here, where unpacking to [out, in] first cost 10-50 % more."""
-        wt = torch.empty(self.in_features, *self.panels.shape[::2], dtype=torch.float32)
+        wt = torch.empty(self.in_features, *self.panels.shape[::2], dtype=torch.float32, device=self.panels.device)
         return wt.copy_(self.panels.transpose(0, 1)).view(self.in_features, -1)[:, : self.out_features]
 
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
@@ -56,7 +56,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     input, contiguous; the last panel padded with zero columns). A tile then reads one contiguous run
     and each output is one lane of its vectors, summed over the inputs in order."""
     out, inn = weight.shape
-    padded = torch.zeros(-(-out // PANEL) * PANEL, inn, dtype=weight.dtype)
+    padded = torch.zeros(-(-out // PANEL) * PANEL, inn, dtype=weight.dtype, device=weight.device)
     padded[:out] = weight
     return padded.view(-1, PANEL, inn).transpose(1, 2).contiguous()
 
