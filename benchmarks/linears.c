@@ -1,0 +1,54 @@
+/* The default model's linears (30 layers x q, k, v, o, gate, up, down + the LM head; SmolLM2-135M
+ * shapes) on native.c's float kernel, `linear_dense`, outside Python: the cost of a k-row call relative
+ * to one row, the best of 12 passes each. Weights are arbitrary bits in the panel layout (the timing
+ * does not depend on their values); every layer has its own buffer, so each pass streams all of them
+ * from memory as a decode step does.
+ *
+ *   cc -O3 -march=native -ffp-contract=off -fopenmp benchmarks/linears.c -o /tmp/linears -lm
+ *   /tmp/linears 0   # float32 weights;  /tmp/linears 1: bfloat16
+ *
+ * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 to build without the kernel's software prefetch. */
+#include "../selfspec/kernels/native.c"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    int bf = argc > 1 ? atoi(argv[1]) : 0, threads = argc > 2 ? atoi(argv[2]) : 2;
+    const int64_t shapes[8][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576},
+                                  {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}}; /* [in, out] */
+    enum { LINEARS = 30 * 7 + 1, PASSES = 12 };
+    void *w[LINEARS];
+    int64_t in[LINEARS], out[LINEARS];
+    for (int l = 0; l < LINEARS; l++) {
+        int s = l == LINEARS - 1 ? 7 : l % 7;
+        in[l] = shapes[s][0], out[l] = shapes[s][1];
+        size_t bytes = (size_t)((out[l] + PANEL - 1) / PANEL * PANEL * in[l]) * (bf ? 2 : 4);
+        w[l] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        for (size_t j = 0; j < bytes / 4; j++) /* small finite values in either format */
+            ((uint32_t *)w[l])[j] = 0x3c003c00u ^ ((uint32_t)(j * 2654435761u) & 0x00ff00ffu);
+    }
+    float *x = aligned_alloc(64, sizeof(float) * 8 * 1536), *y = aligned_alloc(64, sizeof(float) * 8 * 49152);
+    for (int i = 0; i < 8 * 1536; i++) x[i] = (float)(i % 17) * 0.01f;
+    const int ks[] = {1, 2, 4, 5, 6, 8};
+    double best[6];
+    for (int j = 0; j < 6; j++) best[j] = 1e9;
+    for (int pass = 0; pass < PASSES; pass++)
+        for (int j = 0; j < 6; j++) { /* interleaved, so drift on the machine hits every k alike */
+            double t = seconds();
+            for (int l = 0; l < LINEARS; l++) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
+            t = seconds() - t;
+            if (t < best[j]) best[j] = t;
+        }
+    printf("%s weights, %d threads:", bf ? "bfloat16" : "float32", threads);
+    for (int j = 0; j < 6; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
+    printf("\n");
+    return 0;
+}
