@@ -2,8 +2,9 @@ from dataclasses import replace
 
 import pytest
 
+from selfspec.decoding import profile as profile_module
 from selfspec.decoding.policy import SpecOverride, SpecPolicy
-from selfspec.decoding.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket
+from selfspec.decoding.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket, shipped_profile
 from selfspec.errors import SelfspecError
 from selfspec.kernels.choice import machine_key
 
@@ -84,6 +85,22 @@ def test_policy_switches_on_from_bucket():
     assert d.reason == "on: bucket qa/all/T=0 measured 1.40x with exit, N=12, gamma=4" and d.confidence_threshold == 0.2
     d = decide(SpecPolicy(synthetic_profile()), category="unknown-category")  # falls back to all/all
     assert d.config.draft_layers == 10 and "all/all/T=0 predicted 1.30x" in d.reason
+
+
+def test_the_shipped_profile_of_this_machine_is_chosen(tmp_path, monkeypatch):
+    monkeypatch.setattr(profile_module, "PROFILE_DIR", tmp_path)
+    other = synthetic_profile(machine=dict(machine_key(), cpu="Some Other CPU", threads=99))
+    close = synthetic_profile(machine=dict(machine_key(), cpu="Another CPU"), knee=8)
+    other.save(tmp_path / "abc-float32-a.json")
+    close.save(tmp_path / "abc-float32-b.json")
+    synthetic_profile(dtype="bfloat16").save(tmp_path / "abc-bfloat16-here.json")  # another dtype: not a candidate
+    # No profile of this machine: the closest one, which the policy names as foreign.
+    assert shipped_profile("abc", "float32") == close
+    assert "cpu 'Another CPU'" in SpecPolicy(close).foreign
+    here = synthetic_profile(knee=12)
+    here.save(tmp_path / "abc-float32-c.json")
+    assert shipped_profile("abc", "float32") == here and SpecPolicy(here).foreign is None
+    assert shipped_profile("abc", "float16") is None
 
 
 def test_a_profile_from_another_machine_is_not_trusted_silently():

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kernels.choice import machine_key
-from .profile import Profile
+from .profile import Profile, machine_differences
 from .round import EXIT_DRAFTERS, SpecConfig
 from .sampling import SamplingParams
 
@@ -165,10 +164,5 @@ def describe(config: SpecConfig) -> str:
 
 def foreign(profile: Profile) -> str | None:
     """How the profile's machine differs from this one in what sets its costs (None: it does not)."""
-    here, there = machine_key(), profile.machine
-    diffs = [
-        f"{k} {there.get(k)!r} here {here[k]!r}"
-        for k in ("cpu", "flags", "threads", "torch")
-        if there.get(k) != here[k]
-    ]
+    diffs = machine_differences(profile.machine)
     return "the profile was measured with " + ", ".join(diffs) if diffs else None

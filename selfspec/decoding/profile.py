@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import SelfspecError
+from ..kernels.choice import machine_key
 
 PROFILE_VERSION = 1
 LENGTH_BUCKETS = (64, 256, 1024)  # prompt-token upper bounds; longer prompts fall in the last bucket
@@ -107,13 +108,32 @@ class Profile:
         return None
 
 
-def default_profile_path(fingerprint: str, dtype: str) -> Path:
-    return PROFILE_DIR / f"{fingerprint}-{dtype}.json"
+def machine_differences(machine: dict) -> list[str]:
+    """What sets a profile's costs and differs between the machine it was measured on and this one."""
+    here = machine_key()
+    return [
+        f"{k} {machine.get(k)!r} here {here[k]!r}"
+        for k in ("cpu", "flags", "threads", "torch")
+        if machine.get(k) != here[k]
+    ]
+
+
+def shipped_profiles(fingerprint: str, dtype: str) -> list[Path]:
+    """The profiles shipped for a model and dtype, one per machine they were measured on:
+    `profiles/<fingerprint>-<dtype>-<machine>.json` (any name for the machine)."""
+    return sorted(PROFILE_DIR.glob(f"{fingerprint}-{dtype}-*.json"))
+
+
+def shipped_profile(fingerprint: str, dtype: str) -> "Profile | None":
+    """This machine's profile among the shipped ones, else the one whose machine differs from it in the
+    fewest respects (the policy then says what differs, and trusts only its lookup buckets)."""
+    found = [Profile.load(p) for p in shipped_profiles(fingerprint, dtype)]
+    return min(found, key=lambda p: len(machine_differences(p.machine)), default=None)
 
 
 def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | None":
-    """An explicit profile (object or path), none at all (False), else the shipped one for this model
-    and dtype, if any. A profile of another model is refused."""
+    """An explicit profile (object or path), none at all (False), else the shipped one for this model,
+    dtype and machine (shipped_profile), if any. A profile of another model is refused."""
     if profile is False:
         return None
     if isinstance(profile, Profile):
@@ -121,8 +141,7 @@ def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | No
     elif profile is not None:
         found = Profile.load(profile)
     else:
-        path = default_profile_path(model.fingerprint, str(model.dtype).replace("torch.", ""))
-        found = Profile.load(path) if path.is_file() else None
+        found = shipped_profile(model.fingerprint, str(model.dtype).replace("torch.", ""))
     if found is not None and found.fingerprint != model.fingerprint:
         raise SelfspecError(
             f"profile for model {found.model!r} (fingerprint {found.fingerprint}) does not match this model "
