@@ -179,6 +179,19 @@ def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
     assert len(calls) == 2 * measured  # another torch version measures again
 
 
+@pytest.mark.parametrize(("dense_ms", "chosen"), [(2.6, "native"), (2.2, "dense")])
+def test_a_backend_outside_native_c_must_win_by_a_margin(tmp_path, monkeypatch, dense_ms, chosen):
+    """Only native linears run a layer as one native.c call, which a per-linear timing does not see:
+    dense at 2.6 ms does not displace native at 3.0 ms (over NATIVE_MARGIN of it), at 2.2 ms it does."""
+    if NativeFloat.unavailable(torch.float32):
+        pytest.skip(NativeFloat.unavailable(torch.float32))
+    times = {"onednn": 9.0, "native": 3.0, "dense": dense_ms}
+    monkeypatch.setattr(kernel_choice, "_median_ms", lambda linear, rows, dtype, repeats=15: times[type(linear).name])
+    monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # all exact: the timing decides
+    p = plan(torch.float32, sample=torch.randn(64, 32), cache=tmp_path / "kernels.json")
+    assert p.backend == chosen and any("outside native.c" in r for r in p.reasons)
+
+
 def test_a_shape_the_backend_cannot_pack_runs_dense_and_says_so():
     """int4 packs 16 output rows at a time: a 250-token vocabulary's LM head runs on dense, the other
     linears stay int4, and the plan records it (and no longer claims row-exactness)."""
