@@ -10,6 +10,7 @@ from functools import cache
 import torch
 
 from .base import Linear
+from .cache import cpu
 
 
 class OneDNN(Linear):
@@ -37,12 +38,25 @@ class OneDNN(Linear):
 
 @cache
 def _probe(dtype: torch.dtype) -> str | None:
-    """Packs and runs a tiny weight once per dtype; the error, if any, is the reason."""
+    """Packs and runs weights once per dtype; the error, if any, is the reason. The backend claims
+    row-exactness, which held on an AMX Xeon; on an AVX-512 Xeon without AMX, bfloat16 rows of a 9-row
+    call on a 1536 x 576 weight differed from 1-row calls (the kernel depends on the row count there),
+    and a tiny model's 5-row pass from its steps. So bfloat16 needs AMX-BF16, and the rows of 2-9-row
+    calls must equal 1-row calls bit for bit on the default model's shapes."""
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
+    name = str(dtype).replace("torch.", "")
+    if dtype == torch.bfloat16 and "amx_bf16" not in cpu()[1].split():
+        return "oneDNN's bfloat16 rows are exact only with AMX-BF16 (seen: not on an AVX-512 Xeon without it)"
+    g = torch.Generator().manual_seed(0)
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 16, dtype=dtype, device="cpu"), None)
-        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype, device="cpu"), w, None, "none", [], "")
+        for out, inn in ((48, 64), (576, 576), (1536, 576), (576, 1536)):
+            w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out, inn, generator=g).to(dtype), None)
+            x = torch.randn(9, inn, generator=g).to(dtype)
+            run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")  # noqa: E731
+            alone = torch.cat([run(x[i : i + 1]) for i in range(len(x))])
+            if not all(torch.equal(run(x[:k]), alone[:k]) for k in range(2, len(x) + 1)):
+                return f"oneDNN's {name} rows differ between multi-row and 1-row calls on this CPU (not row-exact)"
     except (RuntimeError, AttributeError) as e:
-        return f"oneDNN {str(dtype).replace('torch.', '')} linear unavailable: {str(e).splitlines()[0]}"
+        return f"oneDNN {name} linear unavailable: {str(e).splitlines()[0]}"
     return None
