@@ -452,6 +452,11 @@ static inline v8 load_bf16(const uint16_t *p) {
 #define AHEAD_BF16 8192
 #endif
 
+/* A tile's prefetch, AHEAD bytes past panel row i. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *panel, int64_t i, int bf) {
+    __builtin_prefetch(panel + i * PANEL * (bf ? 2 : 4) + (bf ? AHEAD_BF16 : AHEAD_F32), 0, 3);
+}
+
 #ifdef __AVX512F__
 /* With AVX-512 a panel row is one register: one accumulator per row and panel, so a tile takes up to 8
  * rows (an 8-token verification reads each panel once) and each FMA covers the 16 columns. Every lane
@@ -480,7 +485,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, con
         for (int p = 0; p < np; p++) {
             const char *panel = (const char *)w + p * in * PANEL * (bf ? 2 : 4);
             __m512 wi = panel16(panel, i, bf);
-            __builtin_prefetch(panel + i * PANEL * (bf ? 2 : 4) + (bf ? AHEAD_BF16 : AHEAD_F32), 0, 3);
+            prefetch_ahead(panel, i, bf);
             for (int r = 0; r < n; r++) acc[p][r] = _mm512_fmadd_ps(wi, _mm512_set1_ps(x[r * in + i]), acc[p][r]);
         }
     for (int p = 0; p < np; p++) {
@@ -520,7 +525,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, con
         for (int p = 0; p < np; p++) {
             const char *panel = (const char *)w + p * in * PANEL * (bf ? 2 : 4);
             v8 lo = panel8(panel, i, 0, bf), hi = panel8(panel, i, 1, bf);
-            __builtin_prefetch(panel + i * PANEL * (bf ? 2 : 4) + (bf ? AHEAD_BF16 : AHEAD_F32), 0, 3);
+            prefetch_ahead(panel, i, bf);
             for (int r = 0; r < n; r++) {
                 v8 xi = splat8(x[r * in + i]);
                 acc[p][0][r] = fma8(acc[p][0][r], lo, xi);
