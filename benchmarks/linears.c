@@ -1,13 +1,15 @@
 /* The default model's linears (30 layers x q, k, v, o, gate, up, down + the LM head; SmolLM2-135M
- * shapes) on native.c's float kernel, `linear_dense`, outside Python: the cost of a k-row call relative
- * to one row, the best of 12 passes each. Weights are arbitrary bits in the panel layout (the timing
- * does not depend on their values); every layer has its own buffer, so each pass streams all of them
- * from memory as a decode step does.
+ * shapes) on native.c's kernels, outside Python: the cost of a k-row call relative to one row, the best
+ * of 12 passes each. Weights are arbitrary bits in each kernel's panel layout (the timing does not
+ * depend on their values); every layer has its own buffer, so each pass streams all of them from
+ * memory as a decode step does.
  *
  *   cc -O3 -march=native -ffp-contract=off -fopenmp benchmarks/linears.c -o /tmp/linears -lm
- *   /tmp/linears 0   # float32 weights;  /tmp/linears 1: bfloat16
+ *   /tmp/linears 0   # float32 weights (linear_dense);  1: bfloat16;
+ *                    # 2: int4 codes with an int8 LM head on int8 activations (linear_q4_i8, linear_q8_i8)
  *
- * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 to build without the kernel's software prefetch. */
+ * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 (-DQ4_AHEAD=0 -DQ8_AHEAD=0) to build without the kernels' software
+ * prefetch. */
 #include "../selfspec/kernels/native.c"
 
 #include <stdio.h>
@@ -21,7 +23,7 @@ static double seconds(void) {
 }
 
 int main(int argc, char **argv) {
-    int bf = argc > 1 ? atoi(argv[1]) : 0, threads = argc > 2 ? atoi(argv[2]) : 2;
+    int mode = argc > 1 ? atoi(argv[1]) : 0, bf = mode == 1, threads = argc > 2 ? atoi(argv[2]) : 2;
     const int64_t shapes[8][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576},
                                   {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}}; /* [in, out] */
     enum { LINEARS = 30 * 7 + 1, PASSES = 12 };
@@ -31,23 +33,32 @@ int main(int argc, char **argv) {
         int s = l == LINEARS - 1 ? 7 : l % 7;
         in[l] = shapes[s][0], out[l] = shapes[s][1];
         size_t bytes = (size_t)((out[l] + PANEL - 1) / PANEL * PANEL * in[l]) * (bf ? 2 : 4);
+        if (mode == 2) /* 320 bytes per 32 weights of int4 (codes, float16 scales and offsets), 32 of int8 */
+            bytes = (size_t)((out[l] + PANEL - 1) / PANEL * PANEL * in[l]) / 32 * (l == LINEARS - 1 ? 32 : 20);
         w[l] = aligned_alloc(64, (bytes + 63) / 64 * 64);
         for (size_t j = 0; j < bytes / 4; j++) /* small finite values in either format */
             ((uint32_t *)w[l])[j] = 0x3c003c00u ^ ((uint32_t)(j * 2654435761u) & 0x00ff00ffu);
     }
     float *x = aligned_alloc(64, sizeof(float) * 8 * 1536), *y = aligned_alloc(64, sizeof(float) * 8 * 49152);
     for (int i = 0; i < 8 * 1536; i++) x[i] = (float)(i % 17) * 0.01f;
+    float *scale = aligned_alloc(64, sizeof(float) * 49152);
+    for (int i = 0; i < 49152; i++) scale[i] = 0.01f;
     const int ks[] = {1, 2, 4, 5, 6, 8};
     double best[6];
     for (int j = 0; j < 6; j++) best[j] = 1e9;
     for (int pass = 0; pass < PASSES; pass++)
         for (int j = 0; j < 6; j++) { /* interleaved, so drift on the machine hits every k alike */
             double t = seconds();
-            for (int l = 0; l < LINEARS; l++) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
+            for (int l = 0; l < LINEARS; l++)
+                if (mode < 2) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
+#ifdef DOT_I8
+                else if (l < LINEARS - 1) linear_q4_i8(x, w[l], y, ks[j], in[l], out[l], threads);
+                else linear_q8_i8(x, w[l], scale, y, ks[j], in[l], out[l], threads);
+#endif
             t = seconds() - t;
             if (t < best[j]) best[j] = t;
         }
-    printf("%s weights, %d threads:", bf ? "bfloat16" : "float32", threads);
+    printf("%s weights, %d threads:", mode == 2 ? "int4 (int8 head)" : bf ? "bfloat16" : "float32", threads);
     for (int j = 0; j < 6; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
     printf("\n");
     return 0;

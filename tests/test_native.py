@@ -204,17 +204,20 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.skipif(native.library() is None or not native.library().dot_i8, reason="no AVX2 int8 dot products")
 @pytest.mark.parametrize("name", ["native4i8", "native8i8"])
-def test_int8_activation_kernels_compute_the_quantized_product(name):
+@pytest.mark.parametrize("out", [80, 37])  # whole panels of 16 columns, and a last one padded
+def test_int8_activation_kernels_compute_the_quantized_product(name, out):
     """The kernel's output is the product of the block-quantized activations with the weights it
-    stores, up to float32 rounding: a wrong rounding, block order, scale or offset term is far off."""
+    stores, up to float32 rounding: a wrong rounding, block order, panel layout, scale or offset term
+    is far off."""
     from selfspec.kernels import BACKENDS
 
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(80, 576, generator=g) * 0.05
+    w = torch.randn(out, 576, generator=g) * 0.05
     x = torch.randn(6, 576, generator=g)
     x[:, 7] *= 40  # an outlier channel, as LLM activations have: its block's scale is its own
     x[2, 64:96] = 0  # an all-zero block
     lin = BACKENDS[name](w, None, torch.float32)
+    assert float((lin.dequantized() - w).abs().max()) < 0.02  # the weights themselves: within a 4-bit step
     expected = int8_blocks(x) @ lin.dequantized().double().t()
     y = lin(x)
     assert float((y.double() - expected).abs().max() / expected.abs().max()) < 1e-5

@@ -26,6 +26,9 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__F16C__)
+#define DOT_I8 1 /* the int8-activation linears: AVX2's byte dot products, F16C's float16 scales */
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -701,19 +704,23 @@ void linear_q8(const float *x, const int8_t *codes, const float *scale, float *y
 
 /* ---- int8 activations: the integer dot products of llama.cpp's Q4 x Q8 path -------------------------
  * The activations are quantized per row in blocks of 32 (q = round(x / d), d = max|x| / 127, as
- * llama.cpp's Q8 blocks), and each block's products with the weight codes are summed in int32 by
- * vpmaddubsw + vpmaddwd: 32 multiply-adds in ~5 instructions, where the float path widens every code to
- * a float first. Row-exact as above: a row's blocks, scales and sums depend on that row alone. AVX2 only
- * (dot_i8 says whether this build has them); elsewhere the float-activation kernels run. */
+ * llama.cpp's Q8 blocks), and each block's products with the weight codes are summed in int32: with
+ * VNNI one vpdpbusd takes 64 multiply-adds, without it vpmaddubsw + vpmaddwd do (the same integers, so
+ * the same bits on every path). Weights are packed in panels of 16 output columns, as linear_dense's.
+ * Row-exact as above: a row's blocks, scales and sums depend on that row alone. Needs AVX2 and F16C
+ * (dot_i8 says whether this build has them); elsewhere the float-activation kernels run.
+ * benchmarks/linears.c (mode 2: the default model's 4-bit linears and int8 LM head; the 2-core Xeon
+ * above, VNNI, 2 threads): 5.3 ms a step, 4 / 8 rows 1.14 / 1.61x, against ~8.6 ms and 1.5 / 2.8x
+ * when each column was one dot product widened to float per group. */
 int dot_i8(void) {
-#ifdef __AVX2__
+#ifdef DOT_I8
     return 1;
 #else
     return 0;
 #endif
 }
 
-#ifdef __AVX2__
+#ifdef DOT_I8
 /* x [rows, in] float32 -> qx [rows, in] int8, d [rows, in / 32] (the block scales) and s [rows, in / 32]
  * (d * sum of the block's codes: what a per-group weight offset multiplies). */
 void quantize_i8(const float *x, int8_t *qx, float *d, float *s, int64_t rows, int64_t in) {
@@ -754,123 +761,285 @@ static int8_t *quantized(const float *x, int64_t rows, int64_t in, float **d, fl
     return qx;
 }
 
-/* 32 unsigned codes times 32 signed activations, summed in pairs and then fours: 8 int32 -> float. */
-static inline __m256 dot_u8(__m256i w, const int8_t *x) {
-    __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+/* 4-bit weights in panels for the int8 activations (native_dot.py packs them): per panel of 16 output
+ * columns and group of 32 inputs, Q4_PANEL_GROUP bytes in one stream, the order the kernel reads them:
+ *   4 x 64 bytes of codes: chunk c, byte 4 * o + t: column o's code 4c + t (low nibble), 4c + 16 + t (high)
+ *   16 float16 scales s, then 16 float16 offsets m, one per column (w = q * s + m)
+ * So four consecutive codes of a column sit in one 32-bit lane, and one vpdpbusd (VNNI) multiplies them
+ * with four activations broadcast to every lane and adds the four products to that lane: 64 multiply-
+ * adds per instruction, where a column-at-a-time dot product widened and summed every group on its own.
+ * The integer sums are exact; the floats are added in one order for every row (row-exact). */
+#define Q4_PANEL_GROUP 320
+#ifndef Q4_AHEAD
+#define Q4_AHEAD 2048 /* bytes a tile prefetches ahead of its reads (as linear_dense's AHEAD) */
+#endif
+
+#ifdef __AVX512BW__
+/* acc + the four u8 x s8 products in each 32-bit lane (vpmaddubsw cannot saturate: codes are < 16). */
+static inline __m512i dot4(__m512i acc, __m512i codes, __m512i x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, codes, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, x), _mm512_set1_epi16(1)));
+#endif
 }
 
-/* One group's 16 bytes -> its 32 codes in order (the low nibbles are codes 0-15, the high ones 16-31). */
-static inline __m256i q4_codes(const uint8_t *p) {
-    __m128i c = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
-}
-
-static inline __attribute__((always_inline)) void q4i8_rows(const int8_t *qx, const float *d, const float *s,
-                                                            const uint8_t *codes, const float *scale,
-                                                            const float *offset, float *y, int64_t in, int64_t out,
-                                                            int n) {
-    int64_t groups = in / 32, g = 0;
-    __m256 even[ROW_BLOCK], odd[ROW_BLOCK]; /* two add chains: half the latency of one */
-    for (int r = 0; r < n; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    for (; g + 1 < groups; g += 2) {
-        __m256i w0 = q4_codes(codes + g * 16), w1 = q4_codes(codes + (g + 1) * 16);
+/* n rows of quantized x (qx, d, s: quantize_i8's) times one panel -> y (row stride out, `cols` columns). */
+static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, const float *d, const float *s,
+                                                            const uint8_t *panel, float *y, int64_t in, int64_t out,
+                                                            int64_t cols, int n) {
+    int64_t groups = in / 32;
+    __m512 acc[TILE_ROWS], off[TILE_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = panel + g * Q4_PANEL_GROUP;
+        for (int k = 0; k < 5; k++) __builtin_prefetch(p + Q4_AHEAD + 64 * k, 0, 3);
+        __m512i c[8];
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(p + 64 * j));
+            c[j] = _mm512_and_si512(v, low);
+            c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         for (int r = 0; r < n; r++) {
-            const int8_t *xr = qx + r * in + g * 32;
-            const float *dr = d + r * groups + g;
-            even[r] = _mm256_fmadd_ps(dot_u8(w0, xr), _mm256_set1_ps(scale[g] * dr[0]), even[r]);
-            odd[r] = _mm256_fmadd_ps(dot_u8(w1, xr + 32), _mm256_set1_ps(scale[g + 1] * dr[1]), odd[r]);
+            const int32_t *xq = (const int32_t *)(qx + r * in + g * 32); /* 8 quads of activations */
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                even = dot4(even, c[j], _mm512_set1_epi32(xq[j]));
+                odd = dot4(odd, c[j + 1], _mm512_set1_epi32(xq[j + 1]));
+            }
+            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
+            off[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * groups + g]), off[r]);
         }
     }
-    if (g < groups) {
-        __m256i w0 = q4_codes(codes + g * 16);
-        for (int r = 0; r < n; r++)
-            even[r] = _mm256_fmadd_ps(dot_u8(w0, qx + r * in + g * 32), _mm256_set1_ps(scale[g] * d[r * groups + g]),
-                                      even[r]);
-    }
-    for (int r = 0; r < n; r++) {
-        v8 off = {0}; /* sum over groups of m_g * d_g * sum(q_g), 8 groups at a time, then the rest */
-        const float *sr = s + r * groups;
-        for (g = 0; g + LANES <= groups; g += LANES) off = fma8(off, load8(offset + g), load8(sr + g));
-        float rest = 0.0f;
-        for (; g < groups; g++) rest += offset[g] * sr[g];
-        y[r * out] = sum8((v8)_mm256_add_ps(even[r], odd[r]) + off) + rest;
-    }
+    __mmask16 keep = cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_add_ps(acc[r], off[r]));
+}
+#else
+static inline __m256i dot4(__m256i acc, __m256i codes, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, codes, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
+#endif
 }
 
-/* x [rows, in] float32, 4-bit codes / scale / offset as linear_q4's -> y [rows, out]; in % 32 == 0. */
-void linear_q4_i8(const float *x, const uint8_t *codes, const float *scale, const float *offset, float *y,
-                  int64_t rows, int64_t in, int64_t out, int threads) {
+/* The AVX-512 tile's arithmetic on 8-lane halves (the same bits: integer sums, then the same float ops). */
+static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, const float *d, const float *s,
+                                                            const uint8_t *panel, float *y, int64_t in, int64_t out,
+                                                            int64_t cols, int n) {
     int64_t groups = in / 32;
+    __m256 acc[2][TILE_ROWS], off[2][TILE_ROWS];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < n; r++) acc[h][r] = off[h][r] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = panel + g * Q4_PANEL_GROUP;
+        for (int k = 0; k < 5; k++) __builtin_prefetch(p + Q4_AHEAD + 64 * k, 0, 3);
+        for (int h = 0; h < 2; h++) {
+            __m256i c[8];
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
+                c[j] = _mm256_and_si256(v, low);
+                c[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * h)));
+            __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * h)));
+            for (int r = 0; r < n; r++) {
+                const int32_t *xq = (const int32_t *)(qx + r * in + g * 32);
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j += 2) {
+                    even = dot4(even, c[j], _mm256_set1_epi32(xq[j]));
+                    odd = dot4(odd, c[j + 1], _mm256_set1_epi32(xq[j + 1]));
+                }
+                __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+                acc[h][r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(scale, _mm256_set1_ps(d[r * groups + g])), acc[h][r]);
+                off[h][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s[r * groups + g]), off[h][r]);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++)
+        store_panel(y + r * out, (v8)_mm256_add_ps(acc[0][r], off[0][r]), (v8)_mm256_add_ps(acc[1][r], off[1][r]), cols);
+}
+#endif
+
+/* x [rows, in] float32, panels as above -> y [rows, out]; in % 32 == 0. */
+void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
+                  int threads) {
+    int64_t groups = in / 32, count = (out + PANEL - 1) / PANEL;
     float *d, *s;
     int8_t *qx = quantized(x, rows, in, &d, &s);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t o = 0; o < out; o++)
-        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *panel = panels + p * groups * Q4_PANEL_GROUP;
+        for (int64_t r = 0; r < rows;) {
+            int64_t left = rows - r;
+            int n = left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
             const int8_t *xr = qx + r * in;
-            const float *dr = d + r * groups, *sr = s + r * groups, *so = scale + o * groups, *mo = offset + o * groups;
-            const uint8_t *co = codes + o * groups * 16;
-            float *yr = y + r * out + o;
-            switch (rows - r) {
-            case 1: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 1); break;
-            case 2: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 2); break;
-            case 3: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 3); break;
-            default: q4i8_rows(xr, dr, sr, co, so, mo, yr, in, out, 4); break;
+            const float *dr = d + r * groups, *sr = s + r * groups;
+            float *yr = y + r * out + p * PANEL;
+            int64_t cols = out - p * PANEL;
+            switch (n) {
+            case 1: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 1); break;
+            case 2: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 2); break;
+            case 3: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 3); break;
+            case 4: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 4); break;
+            case 5: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 5); break;
+#if TILE_ROWS > 6
+            case 6: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 6); break;
+            case 7: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 7); break;
+            default: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 8); break;
+#else
+            default: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 6); break;
+#endif
             }
+            r += n;
         }
+    }
     free(qx);
 }
 
-/* Signed codes: vpmaddubsw multiplies unsigned by signed bytes, so the sign moves onto the activations
- * (|w| * (x * sign(w)); the codes stay within -127..127, so |w| fits). */
-static inline __m256 dot_i8_i8(__m256i w, const int8_t *x) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)x);
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
+/* 8-bit weights in panels for the int8 activations (native_dot.py packs them): per panel of 16 output
+ * columns and block of 32 inputs, 8 chunks of 64 bytes, chunk j byte 4 * o + t holding column o's code
+ * 4j + t plus 128 (unsigned: vpdpbusd multiplies unsigned by signed bytes). A block's sum is then
+ * sum(q * x) + 128 * sum(x), and the second term, the same for every column, is taken off in int32;
+ * the scale per column multiplies the row's float sum at the end. */
+#define Q8_PANEL_BLOCK 512
+#ifndef Q8_AHEAD
+#define Q8_AHEAD 2048
+#endif
 
-static inline __attribute__((always_inline)) void q8i8_rows(const int8_t *qx, const float *d, const int8_t *qo,
-                                                            float scale, float *y, int64_t in, int64_t out, int n) {
-    int64_t groups = in / 32, g = 0;
-    __m256 even[ROW_BLOCK], odd[ROW_BLOCK];
-    for (int r = 0; r < n; r++) even[r] = odd[r] = _mm256_setzero_ps();
-    for (; g + 1 < groups; g += 2) {
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(qo + g * 32 + 32));
+#ifdef __AVX512BW__
+/* acc + the four products (u - 128) * x in each lane, less 128 * sum(x) where `biased` (VNNI). */
+#ifdef __AVX512VNNI__
+#define Q8_BIASED 1
+static inline __m512i dot4s(__m512i acc, __m512i u, __m512i x) { return _mm512_dpbusd_epi32(acc, u, x); }
+#else
+#define Q8_BIASED 0
+static inline __m512i dot4s(__m512i acc, __m512i u, __m512i x) {
+    __m512i w = _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80)); /* the signed code */
+    __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
+                                                   _mm512_set1_epi16(1)));
+}
+#endif
+
+static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *bias,
+                                                            const uint8_t *panel, const float *scale, float *y,
+                                                            int64_t in, int64_t out, int64_t cols, int n) {
+    int64_t blocks = in / 32;
+    __m512 acc[TILE_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = panel + b * Q8_PANEL_BLOCK;
+        for (int k = 0; k < 8; k++) __builtin_prefetch(p + Q8_AHEAD + 64 * k, 0, 3);
+        __m512i c[8];
+        for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
         for (int r = 0; r < n; r++) {
-            const int8_t *xr = qx + r * in + g * 32;
-            const float *dr = d + r * groups + g;
-            even[r] = _mm256_fmadd_ps(dot_i8_i8(w0, xr), _mm256_set1_ps(dr[0]), even[r]);
-            odd[r] = _mm256_fmadd_ps(dot_i8_i8(w1, xr + 32), _mm256_set1_ps(dr[1]), odd[r]);
+            const int32_t *xq = (const int32_t *)(qx + r * in + b * 32);
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                even = dot4s(even, c[j], _mm512_set1_epi32(xq[j]));
+                odd = dot4s(odd, c[j + 1], _mm512_set1_epi32(xq[j + 1]));
+            }
+            __m512i sum = _mm512_add_epi32(even, odd);
+            if (Q8_BIASED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias[r * blocks + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[r * blocks + b]), acc[r]);
         }
     }
-    if (g < groups) {
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(qo + g * 32));
-        for (int r = 0; r < n; r++)
-            even[r] = _mm256_fmadd_ps(dot_i8_i8(w0, qx + r * in + g * 32), _mm256_set1_ps(d[r * groups + g]), even[r]);
-    }
-    for (int r = 0; r < n; r++) y[r * out] = sum8((v8)_mm256_add_ps(even[r], odd[r])) * scale;
+    __mmask16 keep = cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    __m512 s = _mm512_loadu_ps(scale);
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_mul_ps(acc[r], s));
 }
+#else
+#ifdef __AVXVNNI__
+#define Q8_BIASED 1
+static inline __m256i dot4s(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
+#else
+#define Q8_BIASED 0
+static inline __m256i dot4s(__m256i acc, __m256i u, __m256i x) {
+    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
 
-/* x [rows, in] float32, codes [out, in] int8, scale [out] -> y [rows, out]; in % 32 == 0. */
-void linear_q8_i8(const float *x, const int8_t *codes, const float *scale, float *y, int64_t rows, int64_t in,
-                  int64_t out, int threads) {
-    int64_t groups = in / 32;
-    float *d, *s;
-    int8_t *qx = quantized(x, rows, in, &d, &s);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t o = 0; o < out; o++)
-        for (int64_t r = 0; r < rows; r += ROW_BLOCK) {
-            const int8_t *xr = qx + r * in;
-            const float *dr = d + r * groups;
-            float *yr = y + r * out + o;
-            switch (rows - r) {
-            case 1: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 1); break;
-            case 2: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 2); break;
-            case 3: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 3); break;
-            default: q8i8_rows(xr, dr, codes + o * in, scale[o], yr, in, out, 4); break;
+static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *bias,
+                                                            const uint8_t *panel, const float *scale, float *y,
+                                                            int64_t in, int64_t out, int64_t cols, int n) {
+    int64_t blocks = in / 32;
+    __m256 acc[2][TILE_ROWS];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < n; r++) acc[h][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *p = panel + b * Q8_PANEL_BLOCK;
+        for (int k = 0; k < 8; k++) __builtin_prefetch(p + Q8_AHEAD + 64 * k, 0, 3);
+        for (int h = 0; h < 2; h++) {
+            __m256i c[8];
+            for (int j = 0; j < 8; j++) c[j] = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
+            for (int r = 0; r < n; r++) {
+                const int32_t *xq = (const int32_t *)(qx + r * in + b * 32);
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j += 2) {
+                    even = dot4s(even, c[j], _mm256_set1_epi32(xq[j]));
+                    odd = dot4s(odd, c[j + 1], _mm256_set1_epi32(xq[j + 1]));
+                }
+                __m256i sum = _mm256_add_epi32(even, odd);
+                if (Q8_BIASED) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias[r * blocks + b]));
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[r * blocks + b]), acc[h][r]);
             }
         }
+    }
+    __m256 lo = _mm256_loadu_ps(scale), hi = _mm256_loadu_ps(scale + LANES);
+    for (int r = 0; r < n; r++)
+        store_panel(y + r * out, (v8)_mm256_mul_ps(acc[0][r], lo), (v8)_mm256_mul_ps(acc[1][r], hi), cols);
+}
+#endif
+
+/* x [rows, in] float32, panels as above, scale [16 * panels] (padded) -> y [rows, out]; in % 32 == 0. */
+void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, float *y, int64_t rows, int64_t in,
+                  int64_t out, int threads) {
+    int64_t blocks = in / 32, count = (out + PANEL - 1) / PANEL;
+    float *d, *s;
+    int8_t *qx = quantized(x, rows, in, &d, &s);
+    int32_t *bias = malloc(sizeof(int32_t) * (size_t)(rows * blocks)); /* 128 * sum(x) per row and block */
+    for (int64_t b = 0; b < rows * blocks; b++) {
+        int32_t t = 0;
+        for (int k = 0; k < 32; k++) t += qx[b * 32 + k];
+        bias[b] = 128 * t;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *panel = panels + p * blocks * Q8_PANEL_BLOCK;
+        for (int64_t r = 0; r < rows;) {
+            int64_t left = rows - r;
+            int n = left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
+            const int8_t *xr = qx + r * in;
+            const float *dr = d + r * blocks, *sp = scale + p * PANEL;
+            const int32_t *br = bias + r * blocks;
+            float *yr = y + r * out + p * PANEL;
+            int64_t cols = out - p * PANEL;
+            switch (n) {
+            case 1: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 1); break;
+            case 2: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 2); break;
+            case 3: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 3); break;
+            case 4: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 4); break;
+            case 5: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 5); break;
+#if TILE_ROWS > 6
+            case 6: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 6); break;
+            case 7: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 7); break;
+            default: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 8); break;
+#else
+            default: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 6); break;
+#endif
+            }
+            r += n;
+        }
+    }
+    free(bias);
     free(qx);
 }
 #endif
@@ -913,9 +1082,9 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
     case LINEAR_BF16: linear_dense(x, L->w, y, rows, L->in, L->out, 1, threads); break;
     case LINEAR_Q8: linear_q8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
     case LINEAR_Q4: linear_q4(x, L->w, L->scale, L->offset, y, rows, L->in, L->out, threads); break;
-#ifdef __AVX2__
+#ifdef DOT_I8
     case LINEAR_Q8_I8: linear_q8_i8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
-    case LINEAR_Q4_I8: linear_q4_i8(x, L->w, L->scale, L->offset, y, rows, L->in, L->out, threads); break;
+    case LINEAR_Q4_I8: linear_q4_i8(x, L->w, y, rows, L->in, L->out, threads); break;
 #endif
     default: memset(y, 0, sizeof(float) * (size_t)(rows * L->out));
     }

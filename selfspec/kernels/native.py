@@ -105,7 +105,7 @@ class Native:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2)
         if self.dot_i8:
-            lib.linear_q4_i8.argtypes = lib.linear_q4.argtypes
+            lib.linear_q4_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int]
             lib.linear_q8_i8.argtypes = lib.linear_q8.argtypes
             lib.linear_q4_i8.restype = lib.linear_q8_i8.restype = None
         self.lib, self.path = lib, path
