@@ -541,6 +541,37 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, con
 
 #endif
 
+/* tile(args..., n) with the row count n (1 .. TILE_ROWS) a constant, so each case unrolls on its own. */
+#if TILE_ROWS > 6
+#define BY_ROWS(n, tile, ...)                                                                                         \
+    switch (n) {                                                                                                      \
+    case 1: tile(__VA_ARGS__, 1); break;                                                                              \
+    case 2: tile(__VA_ARGS__, 2); break;                                                                              \
+    case 3: tile(__VA_ARGS__, 3); break;                                                                              \
+    case 4: tile(__VA_ARGS__, 4); break;                                                                              \
+    case 5: tile(__VA_ARGS__, 5); break;                                                                              \
+    case 6: tile(__VA_ARGS__, 6); break;                                                                              \
+    case 7: tile(__VA_ARGS__, 7); break;                                                                              \
+    default: tile(__VA_ARGS__, 8); break;                                                                             \
+    }
+#else
+#define BY_ROWS(n, tile, ...)                                                                                         \
+    switch (n) {                                                                                                      \
+    case 1: tile(__VA_ARGS__, 1); break;                                                                              \
+    case 2: tile(__VA_ARGS__, 2); break;                                                                              \
+    case 3: tile(__VA_ARGS__, 3); break;                                                                              \
+    case 4: tile(__VA_ARGS__, 4); break;                                                                              \
+    case 5: tile(__VA_ARGS__, 5); break;                                                                              \
+    default: tile(__VA_ARGS__, 6); break;                                                                             \
+    }
+#endif
+
+/* Rows for the next tile when `left` remain: all of them up to TILE_ROWS, else two even tiles, else a
+ * full one (9 rows on AVX-512: 5 + 4, not 8 + 1). */
+static inline int tile_rows(int64_t left) {
+    return left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
+}
+
 /* panel_tile with np, n and bf known to the compiler (each case unrolled on its own). */
 #define TILE(np, n)                                                                                                   \
     (bf ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1) : panel_tile(xr, wp, yr, in, out, cols, np, n, 0))
@@ -557,26 +588,12 @@ void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t
             const void *wp = (const char *)w + p * bytes;
             int64_t cols = out - p * PANEL;
             for (int64_t r = 0; r < rows;) {
-                int64_t left = rows - r;
-                int n = left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
+                int n = tile_rows(rows - r);
                 const float *xr = x + r * in;
                 float *yr = y + r * out + p * PANEL;
                 if (np == 4) TILE(4, 1);
                 else if (np == 2) n == 1 ? TILE(2, 1) : n == 2 ? TILE(2, 2) : TILE(2, 3);
-                else switch (n) {
-                    case 1: TILE(1, 1); break;
-                    case 2: TILE(1, 2); break;
-                    case 3: TILE(1, 3); break;
-                    case 4: TILE(1, 4); break;
-                    case 5: TILE(1, 5); break;
-#if TILE_ROWS > 6
-                    case 6: TILE(1, 6); break;
-                    case 7: TILE(1, 7); break;
-                    default: TILE(1, 8); break;
-#else
-                    default: TILE(1, 6); break;
-#endif
-                    }
+                else BY_ROWS(n, TILE, 1);
                 r += n;
             }
             p += np;
@@ -876,26 +893,12 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *panel = panels + p * groups * Q4_PANEL_GROUP;
         for (int64_t r = 0; r < rows;) {
-            int64_t left = rows - r;
-            int n = left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
+            int n = tile_rows(rows - r);
             const int8_t *xr = qx + r * in;
             const float *dr = d + r * groups, *sr = s + r * groups;
             float *yr = y + r * out + p * PANEL;
             int64_t cols = out - p * PANEL;
-            switch (n) {
-            case 1: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 1); break;
-            case 2: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 2); break;
-            case 3: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 3); break;
-            case 4: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 4); break;
-            case 5: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 5); break;
-#if TILE_ROWS > 6
-            case 6: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 6); break;
-            case 7: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 7); break;
-            default: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 8); break;
-#else
-            default: q4i8_tile(xr, dr, sr, panel, yr, in, out, cols, 6); break;
-#endif
-            }
+            BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols);
             r += n;
         }
     }
@@ -1015,27 +1018,13 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *panel = panels + p * blocks * Q8_PANEL_BLOCK;
         for (int64_t r = 0; r < rows;) {
-            int64_t left = rows - r;
-            int n = left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
+            int n = tile_rows(rows - r);
             const int8_t *xr = qx + r * in;
             const float *dr = d + r * blocks, *sp = scale + p * PANEL;
             const int32_t *br = bias + r * blocks;
             float *yr = y + r * out + p * PANEL;
             int64_t cols = out - p * PANEL;
-            switch (n) {
-            case 1: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 1); break;
-            case 2: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 2); break;
-            case 3: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 3); break;
-            case 4: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 4); break;
-            case 5: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 5); break;
-#if TILE_ROWS > 6
-            case 6: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 6); break;
-            case 7: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 7); break;
-            default: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 8); break;
-#else
-            default: q8i8_tile(xr, dr, br, panel, sp, yr, in, out, cols, 6); break;
-#endif
-            }
+            BY_ROWS(n, q8i8_tile, xr, dr, br, panel, sp, yr, in, out, cols);
             r += n;
         }
     }
