@@ -103,7 +103,7 @@ class Native:
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layer)
         for fn in fns:
             fn.restype = None
-        self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2)
+        self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2 and F16C)
         if self.dot_i8:
             lib.linear_q4_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int]
             lib.linear_q8_i8.argtypes = lib.linear_q8.argtypes

@@ -33,8 +33,10 @@ class NativeInt4Dot(NativeInt4):
     name = "native4i8"
     kind = "q4_i8"
 
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, **kw) -> None:
-        super().__init__(weight, bias, dtype, **kw)
+    def __init__(
+        self, weight: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, *, _codes=None
+    ) -> None:
+        super().__init__(weight, bias, dtype, _codes=_codes)
         self.panels = pack(self.codes, self.scale, self.offset)
         del self.codes, self.scale, self.offset  # the panels hold them
 
