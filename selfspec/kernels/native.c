@@ -779,6 +779,76 @@ static int8_t *quantized(const float *x, int64_t rows, int64_t in, float **d, fl
     return qx;
 }
 
+/* Byte dot products for the panels below: four codes of a column in one 32-bit lane times four
+ * activations broadcast to every lane. dot32 sums one block of 32 inputs, the 8 code vectors c times the
+ * row's 8 activation quads, in two chains (integers: exact in any order); `plus128`: q8's codes, stored
+ * + 128 (dot4s), else q4's, 0..15 (dot4). */
+#ifdef __AVX512BW__
+/* acc + the four u8 x s8 products in each 32-bit lane (vpmaddubsw cannot saturate: codes are < 16). */
+static inline __m512i dot4(__m512i acc, __m512i codes, __m512i x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, codes, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* acc + the four products (u - 128) * x in each lane; with VNNI plus 128 * sum(x), which the caller takes
+ * off (Q8_BIASED). */
+#ifdef __AVX512VNNI__
+#define Q8_BIASED 1
+static inline __m512i dot4s(__m512i acc, __m512i u, __m512i x) { return _mm512_dpbusd_epi32(acc, u, x); }
+#else
+#define Q8_BIASED 0
+static inline __m512i dot4s(__m512i acc, __m512i u, __m512i x) {
+    __m512i w = _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80)); /* the signed code */
+    __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
+                                                   _mm512_set1_epi16(1)));
+}
+#endif
+
+static inline __attribute__((always_inline)) __m512i dot32(const __m512i *c, const int32_t *xq, int plus128) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        __m512i x0 = _mm512_set1_epi32(xq[j]), x1 = _mm512_set1_epi32(xq[j + 1]);
+        even = plus128 ? dot4s(even, c[j], x0) : dot4(even, c[j], x0);
+        odd = plus128 ? dot4s(odd, c[j + 1], x1) : dot4(odd, c[j + 1], x1);
+    }
+    return _mm512_add_epi32(even, odd);
+}
+#else
+static inline __m256i dot4(__m256i acc, __m256i codes, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(acc, codes, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+#ifdef __AVXVNNI__
+#define Q8_BIASED 1
+static inline __m256i dot4s(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
+#else
+#define Q8_BIASED 0
+static inline __m256i dot4s(__m256i acc, __m256i u, __m256i x) {
+    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#endif
+
+static inline __attribute__((always_inline)) __m256i dot32(const __m256i *c, const int32_t *xq, int plus128) {
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        __m256i x0 = _mm256_set1_epi32(xq[j]), x1 = _mm256_set1_epi32(xq[j + 1]);
+        even = plus128 ? dot4s(even, c[j], x0) : dot4(even, c[j], x0);
+        odd = plus128 ? dot4s(odd, c[j + 1], x1) : dot4(odd, c[j + 1], x1);
+    }
+    return _mm256_add_epi32(even, odd);
+}
+#endif
+
 /* 4-bit weights in panels for the int8 activations (native_dot.py packs them): per panel of 16 output
  * columns and group of 32 inputs, Q4_PANEL_GROUP bytes in one stream, the order the kernel reads them:
  *   4 x 64 bytes of codes: chunk c, byte 4 * o + t: column o's code 4c + t (low nibble), 4c + 16 + t (high)
@@ -793,15 +863,6 @@ static int8_t *quantized(const float *x, int64_t rows, int64_t in, float **d, fl
 #endif
 
 #ifdef __AVX512BW__
-/* acc + the four u8 x s8 products in each 32-bit lane (vpmaddubsw cannot saturate: codes are < 16). */
-static inline __m512i dot4(__m512i acc, __m512i codes, __m512i x) {
-#ifdef __AVX512VNNI__
-    return _mm512_dpbusd_epi32(acc, codes, x);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(codes, x), _mm512_set1_epi16(1)));
-#endif
-}
-
 /* n rows of quantized x (qx, d, s: quantize_i8's) times one panel -> y (row stride out, `cols` columns). */
 static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, const float *d, const float *s,
                                                             const uint8_t *panel, float *y, int64_t in, int64_t out,
@@ -823,12 +884,7 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
         __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
         for (int r = 0; r < n; r++) {
             const int32_t *xq = (const int32_t *)(qx + r * in + g * 32); /* 8 quads of activations */
-            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                even = dot4(even, c[j], _mm512_set1_epi32(xq[j]));
-                odd = dot4(odd, c[j + 1], _mm512_set1_epi32(xq[j + 1]));
-            }
-            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+            __m512 sum = _mm512_cvtepi32_ps(dot32(c, xq, 0));
             acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
             off[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * groups + g]), off[r]);
         }
@@ -837,14 +893,6 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
     for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_add_ps(acc[r], off[r]));
 }
 #else
-static inline __m256i dot4(__m256i acc, __m256i codes, __m256i x) {
-#ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(acc, codes, x);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
-#endif
-}
-
 /* The AVX-512 tile's arithmetic on 8-lane halves (the same bits: integer sums, then the same float ops). */
 static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, const float *d, const float *s,
                                                             const uint8_t *panel, float *y, int64_t in, int64_t out,
@@ -868,12 +916,7 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * h)));
             for (int r = 0; r < n; r++) {
                 const int32_t *xq = (const int32_t *)(qx + r * in + g * 32);
-                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    even = dot4(even, c[j], _mm256_set1_epi32(xq[j]));
-                    odd = dot4(odd, c[j + 1], _mm256_set1_epi32(xq[j + 1]));
-                }
-                __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+                __m256 sum = _mm256_cvtepi32_ps(dot32(c, xq, 0));
                 acc[h][r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(scale, _mm256_set1_ps(d[r * groups + g])), acc[h][r]);
                 off[h][r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(s[r * groups + g]), off[h][r]);
             }
@@ -917,20 +960,6 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
 #endif
 
 #ifdef __AVX512BW__
-/* acc + the four products (u - 128) * x in each lane, less 128 * sum(x) where `biased` (VNNI). */
-#ifdef __AVX512VNNI__
-#define Q8_BIASED 1
-static inline __m512i dot4s(__m512i acc, __m512i u, __m512i x) { return _mm512_dpbusd_epi32(acc, u, x); }
-#else
-#define Q8_BIASED 0
-static inline __m512i dot4s(__m512i acc, __m512i u, __m512i x) {
-    __m512i w = _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80)); /* the signed code */
-    __m512i sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), sx),
-                                                   _mm512_set1_epi16(1)));
-}
-#endif
-
 static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *bias,
                                                             const uint8_t *panel, const float *scale, float *y,
                                                             int64_t in, int64_t out, int64_t cols, int n) {
@@ -944,12 +973,7 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
         for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
         for (int r = 0; r < n; r++) {
             const int32_t *xq = (const int32_t *)(qx + r * in + b * 32);
-            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                even = dot4s(even, c[j], _mm512_set1_epi32(xq[j]));
-                odd = dot4s(odd, c[j + 1], _mm512_set1_epi32(xq[j + 1]));
-            }
-            __m512i sum = _mm512_add_epi32(even, odd);
+            __m512i sum = dot32(c, xq, 1);
             if (Q8_BIASED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias[r * blocks + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[r * blocks + b]), acc[r]);
         }
@@ -959,18 +983,6 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
     for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_mul_ps(acc[r], s));
 }
 #else
-#ifdef __AVXVNNI__
-#define Q8_BIASED 1
-static inline __m256i dot4s(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
-#else
-#define Q8_BIASED 0
-static inline __m256i dot4s(__m256i acc, __m256i u, __m256i x) {
-    __m256i w = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-#endif
-
 static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *bias,
                                                             const uint8_t *panel, const float *scale, float *y,
                                                             int64_t in, int64_t out, int64_t cols, int n) {
@@ -986,12 +998,7 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
             for (int j = 0; j < 8; j++) c[j] = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
             for (int r = 0; r < n; r++) {
                 const int32_t *xq = (const int32_t *)(qx + r * in + b * 32);
-                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j += 2) {
-                    even = dot4s(even, c[j], _mm256_set1_epi32(xq[j]));
-                    odd = dot4s(odd, c[j + 1], _mm256_set1_epi32(xq[j + 1]));
-                }
-                __m256i sum = _mm256_add_epi32(even, odd);
+                __m256i sum = dot32(c, xq, 1);
                 if (Q8_BIASED) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias[r * blocks + b]));
                 acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[r * blocks + b]), acc[h][r]);
             }

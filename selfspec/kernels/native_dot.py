@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .native_float import PANEL
+from .native_float import PANEL, padded
 from .native_int4 import NativeInt4
 from .native_int8 import NativeInt8
 
@@ -61,15 +61,13 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torc
     offset [out, groups] -> native.c's q4 panels [ceil(out / 16), groups, 320] bytes: per panel and
     group 4 chunks of 64 code bytes (chunk c, byte 4 * o + t: column o's codes 4c + t low, 4c + 16 + t
     high), then the 16 columns' scales and offsets as float16 (a GGUF's own d and m are float16)."""
-    out, groups, _ = codes.shape
-    panels = -(-out // PANEL)
-    pad = panels * PANEL - out
+    groups = codes.shape[1]
     # byte j = 4c + t of a group holds codes 4c + t and 4c + 16 + t already: a chunk is a transpose
-    q = torch.nn.functional.pad(codes, (0, 0, 0, 0, 0, pad)).view(panels, PANEL, groups, 4, 4)  # [P, o, g, c, t]
-    chunks = q.permute(0, 2, 3, 1, 4).reshape(panels, groups, 4 * PANEL * 4)
+    q = padded(codes).view(-1, PANEL, groups, 4, 4)  # [P, o, g, c, t]
+    chunks = q.permute(0, 2, 3, 1, 4).reshape(len(q), groups, 4 * PANEL * 4)
     halves = []
     for t in (scale, offset):
-        h = torch.nn.functional.pad(t, (0, 0, 0, pad)).view(panels, PANEL, groups).transpose(1, 2).half()
+        h = padded(t).view(-1, PANEL, groups).transpose(1, 2).half()
         if not torch.isfinite(h).all():
             raise ValueError("native4i8: a scale or offset is out of float16's range")
         halves.append(h.contiguous().view(torch.uint8))
@@ -86,8 +84,7 @@ class NativeInt8Dot(NativeInt8):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(weight, bias, dtype)
         self.panels = pack8(self.codes)
-        pad = self.panels.shape[0] * PANEL - self.out_features
-        self.scales = torch.nn.functional.pad(self.scales, (0, pad)).contiguous()  # [16 * panels]
+        self.scales = padded(self.scales)  # [16 * panels]
         del self.codes
 
     @classmethod
@@ -116,8 +113,6 @@ def pack8(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [out, in] -> native.c's q8 panels [ceil(out / 16), in / 32, 512] bytes: per panel and
     block of 32 inputs 8 chunks of 64 bytes, chunk j byte 4 * o + t holding column o's code 4j + t plus
     128 (unsigned)."""
-    out, inn = codes.shape
-    panels = -(-out // PANEL)
-    q = torch.nn.functional.pad(codes, (0, 0, 0, panels * PANEL - out)).to(torch.int16) + 128
-    q = q.to(torch.uint8).view(panels, PANEL, inn // 32, 8, 4)  # [P, o, block, j, t]
-    return q.permute(0, 2, 3, 1, 4).reshape(panels, inn // 32, 8 * PANEL * 4).contiguous()
+    inn = codes.shape[1]
+    q = (padded(codes).to(torch.int16) + 128).to(torch.uint8).view(-1, PANEL, inn // 32, 8, 4)  # [P, o, block, j, t]
+    return q.permute(0, 2, 3, 1, 4).reshape(len(q), inn // 32, 8 * PANEL * 4).contiguous()

@@ -55,10 +55,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [ceil(out / 16), in, 16]: native.c's panels (output columns 16p .. 16p + 15 of every
     input, contiguous; the last panel padded with zero columns). A tile then reads one contiguous run
     and each output is one lane of its vectors, summed over the inputs in order."""
-    out, inn = weight.shape
-    padded = torch.zeros(-(-out // PANEL) * PANEL, inn, dtype=weight.dtype, device=weight.device)
-    padded[:out] = weight
-    return padded.view(-1, PANEL, inn).transpose(1, 2).contiguous()
+    return padded(weight).view(-1, PANEL, weight.shape[1]).transpose(1, 2).contiguous()
+
+
+def padded(t: torch.Tensor) -> torch.Tensor:
+    """t [out, ...] with zero rows appended up to a whole number of panels (a copy)."""
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, -len(t) % PANEL))
 
 
 PANEL = 16  # native.c's PANEL
