@@ -739,9 +739,9 @@ int dot_i8(void) {
 }
 
 #ifdef DOT_I8
-/* x [rows, in] float32 -> qx [rows, in] int8, d [rows, in / 32] (the block scales) and s [rows, in / 32]
- * (d * sum of the block's codes: what a per-group weight offset multiplies). */
-void quantize_i8(const float *x, int8_t *qx, float *d, float *s, int64_t rows, int64_t in) {
+/* x [rows, in] float32 -> qx [rows, in] int8, d [rows, in / 32] (the block scales), qsum [rows, in / 32]
+ * (the sum of the block's codes) and s = d * qsum (what a per-group weight offset multiplies). */
+void quantize_i8(const float *x, int8_t *qx, float *d, float *s, int32_t *qsum, int64_t rows, int64_t in) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < rows * in / 32; b++) {
@@ -761,21 +761,23 @@ void quantize_i8(const float *x, int8_t *qx, float *d, float *s, int64_t rows, i
         __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         q = _mm256_permutevar8x32_epi32(q, order); /* the packs interleave 128-bit lanes: restore order */
         _mm256_storeu_si256((__m256i *)(qx + b * 32), q);
-        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        __m256i all = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(all), _mm256_extracti128_si256(all, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
         d[b] = scale;
-        s[b] = scale * (float)_mm_cvtsi128_si32(t);
+        qsum[b] = _mm_cvtsi128_si32(t);
+        s[b] = scale * (float)qsum[b];
     }
 }
 
-/* quantize_i8 into one allocation (the codes, then d and s; free the codes' pointer). */
-static int8_t *quantized(const float *x, int64_t rows, int64_t in, float **d, float **s) {
+/* quantize_i8 into one allocation (the codes, then d, s and qsum; free the codes' pointer). */
+static int8_t *quantized(const float *x, int64_t rows, int64_t in, float **d, float **s, int32_t **qsum) {
     int64_t blocks = rows * in / 32;
-    int8_t *qx = malloc((size_t)(rows * in) + sizeof(float) * (size_t)(2 * blocks));
+    int8_t *qx = malloc((size_t)(rows * in) + sizeof(float) * (size_t)(3 * blocks));
     *d = (float *)(qx + rows * in), *s = *d + blocks; /* rows * in is a multiple of 32: aligned */
-    quantize_i8(x, qx, *d, *s, rows, in);
+    *qsum = (int32_t *)(*s + blocks);
+    quantize_i8(x, qx, *d, *s, *qsum, rows, in);
     return qx;
 }
 
@@ -932,7 +934,8 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
                   int threads) {
     int64_t groups = in / 32, count = (out + PANEL - 1) / PANEL;
     float *d, *s;
-    int8_t *qx = quantized(x, rows, in, &d, &s);
+    int32_t *qsum;
+    int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *panel = panels + p * groups * Q4_PANEL_GROUP;
@@ -960,7 +963,7 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
 #endif
 
 #ifdef __AVX512BW__
-static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *bias,
+static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *qsum,
                                                             const uint8_t *panel, const float *scale, float *y,
                                                             int64_t in, int64_t out, int64_t cols, int n) {
     int64_t blocks = in / 32;
@@ -974,7 +977,7 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
         for (int r = 0; r < n; r++) {
             const int32_t *xq = (const int32_t *)(qx + r * in + b * 32);
             __m512i sum = dot32(c, xq, 1);
-            if (Q8_BIASED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(bias[r * blocks + b]));
+            if (Q8_BIASED) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qsum[r * blocks + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[r * blocks + b]), acc[r]);
         }
     }
@@ -983,7 +986,7 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
     for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_mul_ps(acc[r], s));
 }
 #else
-static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *bias,
+static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, const float *d, const int32_t *qsum,
                                                             const uint8_t *panel, const float *scale, float *y,
                                                             int64_t in, int64_t out, int64_t cols, int n) {
     int64_t blocks = in / 32;
@@ -999,7 +1002,7 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
             for (int r = 0; r < n; r++) {
                 const int32_t *xq = (const int32_t *)(qx + r * in + b * 32);
                 __m256i sum = dot32(c, xq, 1);
-                if (Q8_BIASED) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias[r * blocks + b]));
+                if (Q8_BIASED) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * qsum[r * blocks + b]));
                 acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[r * blocks + b]), acc[h][r]);
             }
         }
@@ -1015,13 +1018,8 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
                   int64_t out, int threads) {
     int64_t blocks = in / 32, count = (out + PANEL - 1) / PANEL;
     float *d, *s;
-    int8_t *qx = quantized(x, rows, in, &d, &s);
-    int32_t *bias = malloc(sizeof(int32_t) * (size_t)(rows * blocks)); /* 128 * sum(x) per row and block */
-    for (int64_t b = 0; b < rows * blocks; b++) {
-        int32_t t = 0;
-        for (int k = 0; k < 32; k++) t += qx[b * 32 + k];
-        bias[b] = 128 * t;
-    }
+    int32_t *qsum;
+    int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *panel = panels + p * blocks * Q8_PANEL_BLOCK;
@@ -1029,14 +1027,13 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
             int n = tile_rows(rows - r);
             const int8_t *xr = qx + r * in;
             const float *dr = d + r * blocks, *sp = scale + p * PANEL;
-            const int32_t *br = bias + r * blocks;
+            const int32_t *br = qsum + r * blocks;
             float *yr = y + r * out + p * PANEL;
             int64_t cols = out - p * PANEL;
             BY_ROWS(n, q8i8_tile, xr, dr, br, panel, sp, yr, in, out, cols);
             r += n;
         }
     }
-    free(bias);
     free(qx);
 }
 #endif
