@@ -79,6 +79,61 @@ static inline v8 load8(const float *p) {
     return v;
 }
 
+/* 8 bfloat16 values -> float32 (exact: a bfloat16 is a float32's upper half). */
+static inline v8 load_bf16(const uint16_t *p) {
+#ifdef __AVX2__
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (v8)_mm256_castsi256_ps(w);
+#else
+    v8 v;
+    for (int l = 0; l < LANES; l++) v[l] = bf16_to_float(p[l]);
+    return v;
+#endif
+}
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+/* float_to_bf16 on 8 lanes: their bits in each lane's upper half (the lower half zero). */
+static inline v8u bf16_bits8(v8 f) {
+    v8u u = (v8u)f;
+    v8u r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+    return (r & ~nan) | (0x7fc00000u & nan);
+}
+
+/* round_as on 8 lanes. */
+static inline v8 round8(v8 f, int bf) { return bf ? (v8)bf16_bits8(f) : f; }
+
+/* get / put on 8 consecutive elements. */
+static inline v8 get8(const void *p, int64_t i, int bf) {
+    return bf ? load_bf16((const uint16_t *)p + i) : load8((const float *)p + i);
+}
+
+static inline void put8(void *p, int64_t i, v8 v, int bf) {
+    if (!bf) {
+        memcpy((float *)p + i, &v, sizeof v);
+        return;
+    }
+    u16x8 h = __builtin_convertvector(bf16_bits8(v) >> 16, u16x8);
+    memcpy((uint16_t *)p + i, &h, sizeof h);
+}
+
+/* get8 / put8 on the c elements left from i when fewer than 8 remain (lanes past them: 0, unwritten). */
+static inline v8 getn(const void *p, int64_t i, int64_t c, int bf) {
+    if (c >= LANES) return get8(p, i, bf);
+    v8 v = {0};
+    for (int64_t l = 0; l < c; l++) v[l] = get(p, i + l, bf);
+    return v;
+}
+
+static inline void putn(void *p, int64_t i, v8 v, int64_t c, int bf) {
+    if (c >= LANES)
+        put8(p, i, v, bf);
+    else
+        for (int64_t l = 0; l < c; l++) put(p, i + l, v[l], bf);
+}
+
 /* a + b * c, fused (one rounding) where the CPU has FMA. The linears and attention use it: their bits
  * then differ between machines with and without FMA, but on one machine every row takes the same path. */
 static inline v8 fma8(v8 a, v8 b, v8 c) {
@@ -142,42 +197,36 @@ static inline float exp1(float x) {
     return exp8(v)[0];
 }
 
-/* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w. */
+/* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w.
+ * Eight lanes at a time: each element's operations are the scalar ones (IEEE, no contraction). */
 void add_norm(const void *h, const void *y, void *h_out, const void *w, void *x, int64_t rows, int64_t n,
               float eps, int bf) {
-    float *t = malloc(sizeof(float) * (size_t)n);
+    float *t = malloc(sizeof(float) * (size_t)(n + LANES));
     for (int64_t r = 0; r < rows; r++) {
         int64_t o = r * n;
-        for (int64_t i = 0; i < n; i++) {
-            float v = get(h, o + i, bf);
+        for (int64_t i = 0; i < n; i += LANES) {
+            v8 v = getn(h, o + i, n - i, bf);
             if (y) {
-                v = round_as(v + get(y, o + i, bf), bf);
-                put(h_out, o + i, v, bf);
+                v = round8(v + getn(y, o + i, n - i, bf), bf);
+                putn(h_out, o + i, v, n - i, bf);
             }
-            t[i] = v;
+            memcpy(t + i, &v, sizeof v);
         }
-        float rs = 1.0f / sqrtf(dot(t, t, n) / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) put(x, o + i, round_as(t[i] * rs, bf) * get(w, i, bf), bf);
+        v8 rs = splat8(1.0f / sqrtf(dot(t, t, n) / (float)n + eps));
+        for (int64_t i = 0; i < n; i += LANES)
+            putn(x, o + i, round8(load8(t + i) * rs, bf) * getn(w, i, n - i, bf), n - i, bf);
     }
     free(t);
 }
 
 /* gate_up [rows, 2 * n] (gate then up) -> out [rows, n] = silu(gate) * up. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf) {
-    float *t = malloc(sizeof(float) * (size_t)(2 * n + LANES));
-    float *act = t + n + LANES;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = row(gate_up, r * 2 * n, n, t, bf);
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES) {
-            v8 x = load8(g + i);
-            v8 y = x / (exp8(-x) + 1.0f);
-            memcpy(act + i, &y, sizeof y);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i += LANES) {
+            v8 g = getn(gate_up, r * 2 * n + i, n - i, bf);
+            v8 act = round8(g / (exp8(-g) + 1.0f), bf);
+            putn(out, r * n + i, act * getn(gate_up, r * 2 * n + n + i, n - i, bf), n - i, bf);
         }
-        for (; i < n; i++) act[i] = g[i] / (exp8(splat8(-g[i]))[0] + 1.0f);
-        for (i = 0; i < n; i++) put(out, r * n + i, round_as(act[i], bf) * get(gate_up, r * 2 * n + n + i, bf), bf);
-    }
-    free(t);
 }
 
 /* acc [dim] += sum over keys k < n of p[k] * v[k], one key after another (the same order whichever chunks
@@ -208,15 +257,25 @@ static void weighted_sum(const float *p, int64_t n, const float *const *v, int64
 }
 
 /* x [dim] <- x * cos + roll(x, dim / 2) * sin_signed, each product and the sum rounded as torch's
- * in-place ops round them (rope.apply_rope_), so the rotated bits equal the eager path's. */
+ * in-place ops round them (rope.apply_rope_), so the rotated bits equal the eager path's. t: dim + 8. */
 static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t dim, float *t, int bf) {
     int64_t half = dim / 2;
-    for (int64_t i = 0; i < dim; i++) t[i] = get(p, o + i, bf);
-    for (int64_t i = 0; i < dim; i++) {
-        float a = round_as(t[i] * get(cos, i, bf), bf);
-        float b = round_as(t[(i + half) % dim] * get(sin, i, bf), bf);
-        put(p, o + i, a + b, bf);
+    for (int64_t i = 0; i < dim; i += LANES) {
+        v8 v = getn(p, o + i, dim - i, bf);
+        memcpy(t + i, &v, sizeof v);
     }
+    if (half % LANES == 0) /* the rolled half in whole vectors */
+        for (int64_t i = 0; i < dim; i += LANES) {
+            v8 a = round8(load8(t + i) * get8(cos, i, bf), bf);
+            v8 b = round8(load8(t + (i + half) % dim) * get8(sin, i, bf), bf);
+            put8(p, o + i, a + b, bf);
+        }
+    else
+        for (int64_t i = 0; i < dim; i++) {
+            float a = round_as(t[i] * get(cos, i, bf), bf);
+            float b = round_as(t[(i + half) % dim] * get(sin, i, bf), bf);
+            put(p, o + i, a + b, bf);
+        }
 }
 
 /* q . key for 8 keys at once (lane l: keys[l]); each lane is summed by one fixed tree, the same for
@@ -344,7 +403,7 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
             const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
             int64_t dim, int64_t window, float scale, int bf, int threads) {
     int64_t rows = batch * seq_len, width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
-    float *t = malloc(sizeof(float) * (size_t)dim);
+    float *t = malloc(sizeof(float) * (size_t)(dim + LANES));
     size_t elem = bf ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
         int64_t pos = positions[r];
@@ -364,8 +423,8 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
     int64_t *lo = end + rows, *hi = lo + batch, **slot = malloc(sizeof(int64_t *) * (size_t)batch);
     for (int64_t b = 0; b < batch; b++) {
         int64_t first = b * seq_len, m = num_tokens[b];
-        for (int64_t r = first + m; r < first + seq_len; r++) /* padding rows */
-            for (int64_t i = 0; i < heads * dim; i++) put(out, r * heads * dim + i, 0.0f, bf);
+        if (m < seq_len) /* padding rows (0.0 is all zero bits in either format) */
+            memset((char *)out + (first + m) * heads * dim * elem, 0, (size_t)((seq_len - m) * heads * dim) * elem);
         lo[b] = INT64_MAX, hi[b] = 0, slot[b] = NULL;
         if (m == 0) continue;
         for (int64_t j = first; j < first + m; j++) {
@@ -415,18 +474,6 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
  * tokens, not per token. */
 
 #define ROW_BLOCK 4
-
-/* 8 bfloat16 values -> float32 (exact: a bfloat16 is a float32's upper half). */
-static inline v8 load_bf16(const uint16_t *p) {
-#ifdef __AVX2__
-    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    return (v8)_mm256_castsi256_ps(w);
-#else
-    v8 v;
-    for (int l = 0; l < LANES; l++) v[l] = bf16_to_float(p[l]);
-    return v;
-#endif
-}
 
 /* Float weights, packed at load (native_float.py) in panels of 16 output columns: panel p holds
  * W[16p .. 16p + 15, i] for i = 0 .. in - 1 as [in][16], contiguous, the last panel padded with zero
@@ -1090,10 +1137,11 @@ static void linear_act(const linear_spec *L, const void *x, void *y, int64_t row
         linear_run(L, x, y, rows, threads);
         return;
     }
-    float *xf = malloc(sizeof(float) * (size_t)(rows * (L->in + L->out))), *yf = xf + rows * L->in;
-    for (int64_t i = 0; i < rows * L->in; i++) xf[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    int64_t n = rows * L->in, m = rows * L->out;
+    float *xf = malloc(sizeof(float) * (size_t)(n + m)), *yf = xf + n;
+    for (int64_t i = 0; i < n; i += LANES) putn(xf, i, getn(x, i, n - i, 1), n - i, 0);
     linear_run(L, xf, yf, rows, threads);
-    for (int64_t i = 0; i < rows * L->out; i++) ((uint16_t *)y)[i] = float_to_bf16(yf[i]);
+    for (int64_t i = 0; i < m; i += LANES) putn(y, i, getn(yf, i, m - i, 0), m - i, 1);
     free(xf);
 }
 
