@@ -256,6 +256,52 @@ static void weighted_sum(const float *p, int64_t n, const float *const *v, int64
             for (int64_t i = 0; i < dim; i++) acc[i] += p[k] * v[k][i];
 }
 
+#ifdef __AVX512F__
+/* weigh for two queries over the same n keys: each value read once for both, and 8 independent
+ * accumulators at dim 64 (one query's 4 sixteen-lane ones would wait on the FMA latency). Each lane's
+ * arithmetic is weigh's (acc + p * v, fused, key after key), so the bits are weigh's. */
+static inline __attribute__((always_inline)) void weigh2(const float *p1, const float *p2, int64_t n,
+                                                         const float *const *v, int64_t dim, float *acc1,
+                                                         float *acc2) {
+    __m512 a[8], b[8];
+    int64_t vectors = dim / 16;
+    for (int64_t i = 0; i < vectors; i++) a[i] = _mm512_loadu_ps(acc1 + 16 * i), b[i] = _mm512_loadu_ps(acc2 + 16 * i);
+    for (int64_t k = 0; k < n; k++) {
+        __m512 w1 = _mm512_set1_ps(p1[k]), w2 = _mm512_set1_ps(p2[k]);
+        for (int64_t i = 0; i < vectors; i++) {
+            __m512 x = _mm512_loadu_ps(v[k] + 16 * i);
+            a[i] = _mm512_fmadd_ps(w1, x, a[i]);
+            b[i] = _mm512_fmadd_ps(w2, x, b[i]);
+        }
+    }
+    for (int64_t i = 0; i < vectors; i++) _mm512_storeu_ps(acc1 + 16 * i, a[i]), _mm512_storeu_ps(acc2 + 16 * i, b[i]);
+}
+#endif
+
+/* weighted_sum for two queries: query 1 over keys [a1, b1) with weights w1[k], query 2 over [a2, b2) with
+ * w2[k]; v[k - c] is key k's value. Each query takes its keys in ascending order, as weighted_sum would
+ * on its own (so the same bits); the keys both read share each value load where the CPU has AVX-512. */
+static void weighted_pair(const float *w1, int64_t a1, int64_t b1, const float *w2, int64_t a2, int64_t b2,
+                          const float *const *v, int64_t c, int64_t dim, float *acc1, float *acc2) {
+    int64_t lo = a1 > a2 ? a1 : a2, hi = b1 < b2 ? b1 : b2;
+#ifdef __AVX512F__
+    if (lo < hi && dim % 16 == 0 && dim <= 128) {
+        if (a1 < lo) weighted_sum(w1 + a1, lo - a1, v + a1 - c, dim, acc1);
+        if (a2 < lo) weighted_sum(w2 + a2, lo - a2, v + a2 - c, dim, acc2);
+        if (dim == 64)
+            weigh2(w1 + lo, w2 + lo, hi - lo, v + lo - c, 64, acc1, acc2);
+        else
+            weigh2(w1 + lo, w2 + lo, hi - lo, v + lo - c, dim, acc1, acc2);
+        if (b1 > hi) weighted_sum(w1 + hi, b1 - hi, v + hi - c, dim, acc1);
+        if (b2 > hi) weighted_sum(w2 + hi, b2 - hi, v + hi - c, dim, acc2);
+        return;
+    }
+#endif
+    (void)lo, (void)hi;
+    if (a1 < b1) weighted_sum(w1 + a1, b1 - a1, v + a1 - c, dim, acc1);
+    if (a2 < b2) weighted_sum(w2 + a2, b2 - a2, v + a2 - c, dim, acc2);
+}
+
 /* x [dim] <- x * cos + roll(x, dim / 2) * sin_signed, each product and the sum rounded as torch's
  * in-place ops round them (rope.apply_rope_), so the rotated bits equal the eager path's. t: dim + 8. */
 static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t dim, float *t, int bf) {
@@ -305,7 +351,73 @@ static inline __attribute__((always_inline)) v8 dot8(const float *q, const float
 #endif
 }
 
+#ifdef __AVX512F__
+/* q . key for 16 keys at once (lane l: keys[l]), 16 products to a lane, the lanes of each key added by
+ * one fixed tree (within each 4-lane quarter (x0 + x2) + (x1 + x3), then (q0 + q1) + (q2 + q3)), the same
+ * for every key, so a score does not depend on which 16 keys it was computed with. dim % 16 == 0. Half
+ * the FMAs of two dot8 calls and a shorter reduction per key; its scores differ from dot8's in the last
+ * bits, so one machine always takes the same one (by dim). */
+#define KEYS 16
+static inline __attribute__((always_inline)) __m512 dot16(const float *q, const float *const *keys, int64_t dim) {
+    __m512 s[16], t[8], u[4];
+    for (int l = 0; l < 16; l++) {
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= dim; i += 32) {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(keys[l] + i), even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(keys[l] + i + 16), odd);
+        }
+        if (i < dim) even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(keys[l] + i), even);
+        s[l] = _mm512_add_ps(even, odd);
+    }
+    for (int j = 0; j < 8; j++) /* per quarter: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of keys 2j, 2j + 1 */
+        t[j] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * j], s[2 * j + 1]), _mm512_unpackhi_ps(s[2 * j], s[2 * j + 1]));
+    for (int j = 0; j < 4; j++) /* per quarter: keys 4j .. 4j + 3, each (x0 + x2) + (x1 + x3) */
+        u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xee));
+    /* quarters q0 + q1 and q2 + q3 of keys 0-7 (v0) and 8-15 (v1), then their sum: lane l = key l */
+    __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xdd));
+}
+#else
+#define KEYS LANES
+#endif
+
+/* Scaled scores of q against KEYS keys, as KEYS / 8 vectors of 8 (keys 8h .. 8h + 7 in sc[h]). */
+static inline __attribute__((always_inline)) void scores(const float *q, const float *const *keys, int64_t dim,
+                                                         float scale, v8 *sc) {
+#ifdef __AVX512F__
+    if (dim % 16 == 0) {
+        __m512 x = _mm512_mul_ps(dim == 64 ? dot16(q, keys, 64) : dot16(q, keys, dim), _mm512_set1_ps(scale));
+        sc[0] = (v8)_mm512_castps512_ps256(x), sc[1] = (v8)_mm512_extractf32x8_ps(x, 1);
+        return;
+    }
+#endif
+    for (int h = 0; h < KEYS / LANES; h++) sc[h] = dot8(q, keys + h * LANES, dim) * splat8(scale);
+}
+
 #define CHUNK 64 /* values per pass over the queries: 16 KB at dim 64, shared from L1 */
+
+/* Scores sc of keys k .. k + 7 into a row's p (pi[key], the row reading keys [b, e)): 8 keys all the
+ * row's keep a running max per lane (peak), others go one by one into top. */
+static inline void keep(v8 sc, int64_t k, int64_t b, int64_t e, float *pi, float *peak, float *top) {
+    if (k + LANES <= b || k >= e) return;
+    if (k >= b && k + LANES <= e) {
+        v8 was = load8(peak);
+        memcpy(pi + k, &sc, sizeof sc);
+        was = select8((v8i)(sc > was), sc, was);
+        memcpy(peak, &was, sizeof was);
+        return;
+    }
+    float best = *top;
+    for (int l = 0; l < LANES; l++)
+        if (k + l >= b && k + l < e) {
+            pi[k + l] = sc[l];
+            best = sc[l] > best ? sc[l] : best;
+        }
+    *top = best;
+}
 
 /* Queries [i0, i1) of kv head g's group in sequence b, query i being query head g * group + i / m of
  * real row i % m, over their keys: scores, softmax, weighted values. The queries share each read of a
@@ -316,8 +428,8 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
                          int64_t hi, const int64_t *begin, const int64_t *end, int64_t first, int64_t m, int64_t g,
                          int64_t i0, int64_t i1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
                          float scale, void *out, int bf) {
-    int64_t group = heads / kv_heads, queries = i1 - i0, stride = hi - lo + LANES; /* local i: i0 + i */
-    int64_t buffered = CHUNK > LANES ? CHUNK : LANES;
+    int64_t group = heads / kv_heads, queries = i1 - i0, stride = hi - lo + KEYS; /* local i: i0 + i */
+    int64_t buffered = CHUNK > KEYS ? CHUNK : KEYS;
     float *scratch = malloc(sizeof(float) * (size_t)(queries * (2 * dim + stride + 2 + LANES) + buffered * dim));
     float *q = scratch, *p = q + queries * dim, *acc = p + queries * stride, *top = acc + queries * dim;
     float *total = top + queries, *peak = total + queries, *kt = peak + queries * LANES;
@@ -329,30 +441,19 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         top[i] = -INFINITY;
         for (int l = 0; l < LANES; l++) peak[i * LANES + l] = -INFINITY;
     }
-    for (int64_t k = lo; k < hi; k += LANES) { /* 8 keys at a time; every query shares each key read */
-        const float *keys[LANES];
-        for (int l = 0; l < LANES; l++) { /* past the last key: the last key again, its score unused */
+    for (int64_t k = lo; k < hi; k += KEYS) { /* KEYS keys at a time; every query shares each key read */
+        const float *keys[KEYS];
+        for (int l = 0; l < KEYS; l++) { /* past the last key: the last key again, its score unused */
             int64_t at = k + l < hi ? k + l : hi - 1;
             keys[l] = row(kv, (g * slots + slot[at - lo]) * dim, dim, kt + l * dim, bf);
         }
         for (int64_t i = 0; i < queries; i++) {
             int64_t j = (i0 + i) % m;
-            if (k + LANES <= begin[j] || k >= end[j]) continue;
-            v8 sc = (dim == 64 ? dot8(q + i * dim, keys, 64) : dot8(q + i * dim, keys, dim)) * splat8(scale);
-            float best = top[i], *pi = p + i * stride - begin[j];
-            if (k >= begin[j] && k + LANES <= end[j]) { /* all 8 keys are the row's: a running max per lane */
-                v8 was = load8(peak + i * LANES);
-                memcpy(pi + k, &sc, sizeof sc);
-                was = select8((v8i)(sc > was), sc, was);
-                memcpy(peak + i * LANES, &was, sizeof was);
-                continue;
-            }
-            for (int l = 0; l < LANES; l++)
-                if (k + l >= begin[j] && k + l < end[j]) {
-                    pi[k + l] = sc[l];
-                    best = sc[l] > best ? sc[l] : best;
-                }
-            top[i] = best;
+            if (k + KEYS <= begin[j] || k >= end[j]) continue;
+            v8 sc[KEYS / LANES];
+            scores(q + i * dim, keys, dim, scale, sc);
+            for (int h = 0; h < KEYS / LANES; h++)
+                keep(sc[h], k + h * LANES, begin[j], end[j], p + i * stride - begin[j], peak + i * LANES, top + i);
         }
     }
     for (int64_t i = 0; i < queries; i++) { /* softmax, in vectors counted from the row's own first key */
@@ -373,9 +474,16 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         int64_t stop = c + CHUNK < hi ? c + CHUNK : hi;
         for (int64_t k = c; k < stop; k++)
             v[k - c] = row(kv, ((kv_heads + g) * slots + slot[k - lo]) * dim, dim, kt + (k - c) * dim, bf);
-        for (int64_t i = 0; i < queries; i++) {
+        for (int64_t i = 0; i < queries; i += 2) { /* two queries at a time, sharing each value load */
             int64_t j = (i0 + i) % m, a = c > begin[j] ? c : begin[j], b = stop < end[j] ? stop : end[j];
-            if (a < b) weighted_sum(p + i * stride + a - begin[j], b - a, v + a - c, dim, acc + i * dim);
+            const float *w = p + i * stride - begin[j];
+            if (i + 1 == queries) {
+                if (a < b) weighted_sum(w + a, b - a, v + a - c, dim, acc + i * dim);
+                continue;
+            }
+            int64_t j2 = (i0 + i + 1) % m, a2 = c > begin[j2] ? c : begin[j2], b2 = stop < end[j2] ? stop : end[j2];
+            weighted_pair(w, a, b, p + (i + 1) * stride - begin[j2], a2, b2, v, c, dim, acc + i * dim,
+                          acc + (i + 1) * dim);
         }
     }
     for (int64_t i = 0; i < queries; i++) {
