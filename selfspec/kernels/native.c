@@ -10,7 +10,7 @@
  *   linear_dense  float32 / bfloat16 weights;  linear_q8  int8 per channel;  linear_q4  4-bit groups of 32
  *
  * Exactness: every row is computed on its own, by the same loop, in a fixed order (reductions keep
- * LANES partial sums and add them in order; built with -ffp-contract=off, so the compiler fuses no
+ * LANES partial sums, 16 for attention's scores with AVX-512, and add them in a fixed tree; built with -ffp-contract=off, so the compiler fuses no
  * multiply-add on its own, and the linears fuse theirs explicitly, in the same place for every row),
  * so a row's bits do not depend on how many rows share the call: a k-token verification computes
  * each position exactly as the 1-token step would. Activations are float32 (bf = 0) or bfloat16
@@ -190,11 +190,6 @@ static inline v8 exp8(v8 x) {
     p = p * (r * r) + r + 1.0f;
     v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
     return select8(under, splat8(0.0f), p * (v8)bits);
-}
-
-static inline float exp1(float x) {
-    v8 v = {x};
-    return exp8(v)[0];
 }
 
 /* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w.
