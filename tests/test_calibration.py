@@ -15,12 +15,14 @@ from selfspec.calibration.calibrate import (
     BucketEstimate,
     CalibrationPlan,
     _validate,
+    batch_limit,
     confidence_threshold,
     teacher_forced_acceptance,
     tokens_per_round,
 )
 from selfspec.cli.main import main
 from selfspec.decoding.profile import Profile
+from selfspec.decoding.round import SpecConfig
 from selfspec.kernels.choice import QUANTIZED
 
 from .conftest import DEV_SET, tiny_hf_model
@@ -68,6 +70,42 @@ def test_validation_times_decoding_not_the_prompt():
     questions = [{"question_id": i, "category": "qa", "turns": ["hi"]} for i in range(2)]
     rows = _validate(Stub(), questions, [est], plan)
     assert rows and all(r["measured_speedup"] == 2.0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "speedups,limit,timed",
+    [
+        ({2: 0.8, 4: 2.0, 8: 2.0}, 1, [2]),
+        ({2: 1.4, 4: 0.9, 8: 2.0}, 2, [2, 4]),
+        ({2: 1.5, 4: 1.2, 8: 1.1}, 8, [2, 4, 8]),
+    ],
+)
+def test_batch_limit_stops_at_the_first_batch_size_that_does_not_pay(monkeypatch, speedups, limit, timed):
+    """Never / partly / always paying: the limit is the largest size before the first below 1.0x, and
+    no size above that one is timed. Stub timings: plain 1 s, speculative 1 / speedup."""
+    from selfspec.calibration import calibrate as calibration
+
+    calls = []
+
+    def seconds(engine, batch, params, spec, speculate):
+        calls.append((len(batch), speculate))
+        return 1.0 / speedups[len(batch)] if speculate else 1.0
+
+    monkeypatch.setattr(calibration, "_batch_seconds", seconds)
+    engine = SimpleNamespace(encode=lambda prompt: [1] * 20, cache=SimpleNamespace(capacity_tokens=10_000))
+    questions = [{"question_id": i, "category": "qa", "turns": ["hi"]} for i in range(3)]
+    got, rows = batch_limit(
+        engine, questions, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
+    )
+    assert got == limit and [r["batch_size"] for r in rows] == timed
+    assert [r["measured_speedup"] for r in rows] == pytest.approx([speedups[b] for b in timed])
+    assert sorted(calls) == sorted((b, s) for b in timed for s in (False, True))
+    # a size whose requests would not fit the cache is not measured, nor any above it
+    engine.cache.capacity_tokens = 3 * (20 + 64 + 3 + 2)  # room for 3 requests: batches of 2 only
+    got, rows = batch_limit(
+        engine, questions, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
+    )
+    assert [r["batch_size"] for r in rows] == [2] and got == (2 if speedups[2] >= 1.0 else 1)
 
 
 def test_confidence_threshold_drops_unprofitable_drafts():
@@ -180,6 +218,15 @@ def test_calibrate_writes_profile_and_plots(calibrated, capsys):
         assert 1 <= b.draft_layers <= 3 if b.drafter == "auto" else b.draft_layers is None
         assert all(0.0 <= a <= 1.0 for a in b.alpha.values())
     assert any(v["measured_speedup"] > 0 for v in profile.validation)
+    # batches of 2, 4, ... timed speculative against plain, as far as they pay and fit the cache
+    assert profile.batching and profile.batching[0]["batch_size"] == 2
+    assert all(b["measured_speedup"] > 0 for b in profile.batching)
+    expected = 1
+    for b in profile.batching:
+        if b["measured_speedup"] < 1.0:
+            break
+        expected = b["batch_size"]
+    assert profile.max_batch_size == expected
     for name in ("acceptance_vs_depth.png", "speedup_vs_gamma.png", "acceptance_heatmap.png"):
         assert (out / "plots" / name).stat().st_size > 5000
 

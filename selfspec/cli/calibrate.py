@@ -173,6 +173,8 @@ def _body(args) -> int:
         "buckets_on": sum(1 for b in profile.buckets if (b.measured_speedup or b.predicted_speedup) >= 1.0),
         "buckets": len(profile.buckets),
         "validation": profile.validation,
+        "max_batch_size": profile.max_batch_size,
+        "batching": profile.batching,
         "sources": best_per_source(estimates),
     }
     if args.json:
@@ -195,6 +197,9 @@ def _body(args) -> int:
             f"  {v['category']}/T={v['temperature']:g} {v['source']} gamma={v['gamma']}: "
             f"predicted {v['predicted_speedup']:.2f}x, measured {v['measured_speedup']:.2f}x"
         )
+    for b in profile.batching:
+        print(f"  batch of {b['batch_size']}, {b['drafter']} gamma={b['gamma']}: measured {b['measured_speedup']:.2f}x")
+    print(f"speculation on for batches of up to {profile.max_batch_size} requests")
     for p in plots:
         print(f"plot: {p}")
     return 0
