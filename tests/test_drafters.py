@@ -7,9 +7,10 @@ import torch
 
 from selfspec import SamplingParams, SpecConfig
 from selfspec.calibration.distribution import sample_continuations
-from selfspec.decoding.drafter import Draft, Drafter
+from selfspec.decoding.drafter import Draft, Drafter, ExitDrafter
 from selfspec.decoding.hybrid import HybridDrafter
 from selfspec.decoding.lookup import LookupDrafter, match
+from selfspec.decoding.mixed import MixedDrafter
 from selfspec.decoding.quantized import QuantizedDrafter, share_embeddings
 from selfspec.decoding.round import RoundInput, speculative_round
 from selfspec.kernels.choice import plan
@@ -48,6 +49,61 @@ def test_hybrid_looks_up_only_whole_ngrams():
     assert LookupDrafter(3).propose(None, None, step).tokens == [[1, 2], [7, 6]]
     assert HybridDrafter(3, Fixed()).propose(None, None, step).tokens == [[1, 2], [99, 99]]
     assert HybridDrafter(3, None).propose(None, None, step).tokens == [[1, 2], []]  # no fallback: a plain step
+
+
+class Tagged(Drafter):
+    """Proposes its tag at every position it is asked for, and records the γs it was asked with."""
+
+    def __init__(self, tag: int) -> None:
+        self.tag, self.asked = tag, []
+
+    def propose(self, model, cache, step) -> Draft:
+        self.asked.append(list(step.gammas))
+        return Draft([[self.tag] * g for g in step.gammas], [[] for _ in step.gammas])
+
+
+def test_mixed_drafter_gives_each_row_its_own_drafters_tokens():
+    a, b = Tagged(7), Tagged(8)
+    step = RoundInput([None] * 4, [1] * 4, [GREEDY] * 4, [None] * 4, [2, 3, 0, 1], None, history=[[1]] * 4)
+    draft = MixedDrafter([a, b], [0, 1, 1, 0]).propose(None, None, step)
+    assert draft.tokens == [[7, 7], [8, 8, 8], [], [7]]
+    assert a.asked == [[2, 0, 0, 1]] and b.asked == [[0, 3, 0, 0]]  # each asked for its own rows only
+    with pytest.raises(ValueError, match="layer 0"):
+        MixedDrafter([a, ExitDrafter(1)], [0, 1])
+
+
+def test_a_hybrids_unmatched_rows_draft_in_its_fallbacks_passes():
+    """Rows of the int4 drafter and of a hybrid whose fallback is that same drafter: lookup serves the
+    hybrid row whose trigram recurs, and the model drafter is asked once, for its own row and the
+    hybrid's unmatched one together."""
+    model = Tagged(9)
+    history = [[4, 5, 6], [1, 2, 3, 1, 2, 3], [5, 6, 7, 6]]  # row 1's trigram recurs, row 2's does not
+    step = RoundInput([None] * 3, [6, 3, 6], [GREEDY] * 3, [None] * 3, [2, 2, 2], None, history=history)
+    draft = MixedDrafter([model, HybridDrafter(3, model)], [0, 1, 1]).propose(None, None, step)
+    assert draft.tokens == [[9, 9], [1, 2], [9, 9]]
+    assert model.asked == [[2, 0, 2]]
+
+
+def test_requests_with_different_drafters_verify_in_one_pass(tiny_engine, monkeypatch):
+    """A batch whose requests draft with int4, int8, lookup and the hybrid (and one plain request) runs
+    one round per step, not one per drafter, and each request's greedy output equals plain decoding."""
+    prompts = ["hello hello hello", "The quick brown fox jumps over the quick brown", "1 2 3 4 1 2 3", "a b a b", "x"]
+    plain = [tiny_engine.generate(p, GREEDY, speculation=None).token_ids for p in prompts]
+    configs = [SpecConfig(None, 4, d) for d in ("int4", "int8", "lookup", "hybrid")] + [None]
+    reqs = [tiny_engine.add_request(tiny_engine.encode(p), GREEDY, c) for p, c in zip(prompts, configs)]
+    rounds, real = [], tiny_engine._round
+    monkeypatch.setattr(
+        tiny_engine, "_round", lambda group, drafter, gammas: rounds.append(drafter) or real(group, drafter, gammas)
+    )
+    steps = 0
+    while live := [r for r in reqs if not r.finished]:
+        tiny_engine.step_batch(live)
+        steps += 1
+    assert [r.output_ids for r in reqs] == plain
+    assert len(rounds) == steps  # one round (one verification pass) per step, whatever the drafters
+    assert any(isinstance(d, MixedDrafter) for d in rounds)
+    for r in reqs:
+        tiny_engine.release(r)
 
 
 # ---- greedy: every drafter's output equals plain decoding ---------------------------------------------

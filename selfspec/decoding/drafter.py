@@ -38,6 +38,9 @@ class Drafter(ABC):
     verification pass overwrites or reuses them; the round's rollback truncates the rest)."""
 
     name: str = "drafter"
+    # True: its Draft carries hidden states and verification resumes mid-model (an early exit), so its
+    # rows cannot share a pass with rows verified from layer 0 (every other drafter's).
+    resumes: bool = False
 
     @abstractmethod
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft: ...
@@ -52,6 +55,7 @@ class ExitDrafter(Drafter):
     states and the layer-<N cache entries the draft wrote (nothing is recomputed or copied)."""
 
     name = "exit"
+    resumes = True
 
     def __init__(self, draft_layers: int) -> None:
         self.draft_layers = draft_layers

@@ -23,6 +23,7 @@ from .drafter import Drafter, ExitDrafter
 from .head import DraftHead, HeadDrafter
 from .hybrid import HybridDrafter
 from .lookup import LookupDrafter
+from .mixed import MixedDrafter
 from .policy import SpecPolicy, Speculation
 from .profile import Profile, find_profile
 from .quantized import QuantizedDrafter, share_embeddings
@@ -138,8 +139,8 @@ class Engine:
             return ExitDrafter(n)
         if kind == "lookup":
             return LookupDrafter(ngram)
-        if kind == "hybrid":
-            return HybridDrafter(ngram, self._make_drafter(hybrid.FALLBACK, n, ngram))
+        if kind == "hybrid":  # its fallback is the int4 drafter itself: mixed rounds share its passes
+            return HybridDrafter(ngram, self.drafter(SpecConfig(n, 1, hybrid.FALLBACK)))
         return QuantizedDrafter(self.draft_model(kind), n)
 
     def preload(self) -> None:
@@ -223,7 +224,9 @@ class Engine:
     def step_batch(self, reqs: list[Request], *, speculate: bool = True) -> list[StepOutput]:
         """One round for several requests at once (continuous batching's unit). Requests drafting with
         the same drafter share every pass; plain rows (first steps, speculation off, or
-        `speculate=False`) ride along with 0 drafts. Different drafters run as separate groups."""
+        `speculate=False`) ride along with 0 drafts. Rows of different drafters that verify from layer
+        0 (int4, int8, lookup, hybrid) draft apart and verify in one pass (MixedDrafter); an early
+        exit's rows, which resume mid-model, run as a group of their own."""
         for req in reqs:
             if req.finished:
                 raise SelfspecError("request already finished")
@@ -240,6 +243,10 @@ class Engine:
         if None in groups and len(groups) > 1:  # plain rows join a speculating group's passes
             plain = groups.pop(None)
             groups[next(iter(groups))] += plain
+        layer0 = [d for d in groups if d is not None and not d.resumes]
+        if len(layer0) > 1:  # their rows share one verification pass
+            rows = [(i, g, k) for k, d in enumerate(layer0) for i, g in groups.pop(d)]
+            groups[MixedDrafter(layer0, [k for _, _, k in rows])] = [(i, g) for i, g, _ in rows]
         outputs: list[StepOutput | None] = [None] * len(reqs)
         for drafter, rows in groups.items():
             group = [reqs[i] for i, _ in rows]

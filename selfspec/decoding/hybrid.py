@@ -39,9 +39,13 @@ class HybridDrafter(Drafter):
             out["fallback"] = self.fallback.describe()
         return out
 
+    def looked_up(self, step: RoundInput) -> tuple[Draft, list[int]]:
+        """Lookup's drafts, and per row the γ left for the fallback (0 where lookup served the row)."""
+        found = self.lookup.propose(None, None, step)
+        return found, [0 if found.tokens[b] else g for b, g in enumerate(step.gammas)]
+
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
-        found = self.lookup.propose(model, cache, step)
-        rest = [0 if found.tokens[b] else g for b, g in enumerate(step.gammas)]  # rows lookup could not serve
+        found, rest = self.looked_up(step)
         if self.fallback is None or not any(rest):
             return found
         drafted = self.fallback.propose(model, cache, replace(step, gammas=rest))
