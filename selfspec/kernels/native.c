@@ -10,8 +10,9 @@
  *   linear_dense  float32 / bfloat16 weights;  linear_q8  int8 per channel;  linear_q4  4-bit groups of 32
  *
  * Exactness: every row is computed on its own, by the same loop, in a fixed order (reductions keep
- * LANES partial sums, 16 for attention's scores with AVX-512, and add them in a fixed tree; built with -ffp-contract=off, so the compiler fuses no
- * multiply-add on its own, and the linears fuse theirs explicitly, in the same place for every row),
+ * LANES partial sums, 16 for attention's scores with AVX-512, and add them in a fixed tree; built with
+ * -ffp-contract=off, so the compiler fuses no multiply-add on its own, and the linears fuse theirs
+ * explicitly, in the same place for every row),
  * so a row's bits do not depend on how many rows share the call: a k-token verification computes
  * each position exactly as the 1-token step would. Activations are float32 (bf = 0) or bfloat16
  * (bf = 1, computed in float32 and rounded to nearest even where torch rounds). The glue is
@@ -408,7 +409,8 @@ static inline __attribute__((always_inline)) void scores(const float *q, const v
     }
 #endif
     (void)wide;
-    for (int h = 0; h < KEYS / LANES; h++) sc[h] = dot8(q, (const float *const *)keys + h * LANES, dim) * splat8(scale);
+    for (int h = 0; h < KEYS / LANES; h++)
+        sc[h] = dot8(q, (const float *const *)keys + h * LANES, dim) * splat8(scale);
 }
 
 #define CHUNK 64 /* values per pass over the queries: 16 KB at dim 64, shared from L1 */
@@ -463,7 +465,8 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         const void *keys[KEYS];
         for (int l = 0; l < KEYS; l++) { /* past the last key: the last key again, its score unused */
             int64_t at = k + l < hi ? k + l : hi - 1, offset = (g * slots + slot[at - lo]) * dim;
-            keys[l] = wide ? (const void *)((const uint16_t *)kv + offset) : (const void *)row(kv, offset, dim, kt + l * dim, bf);
+            keys[l] = wide ? (const void *)((const uint16_t *)kv + offset)
+                           : (const void *)row(kv, offset, dim, kt + l * dim, bf);
         }
         for (int64_t i = 0; i < queries; i++) {
             int64_t j = (i0 + i) % m;
