@@ -92,10 +92,10 @@ def test_batch_limit_stops_at_the_first_batch_size_that_does_not_pay(monkeypatch
         return 1.0 / speedups[len(batch)] if speculate else 1.0
 
     monkeypatch.setattr(calibration, "_batch_seconds", seconds)
-    engine = SimpleNamespace(encode=lambda prompt: [1] * 20, cache=SimpleNamespace(capacity_tokens=10_000))
-    questions = [{"question_id": i, "category": "qa", "turns": ["hi"]} for i in range(3)]
+    engine = SimpleNamespace(cache=SimpleNamespace(capacity_tokens=10_000))
+    prompts = [[1] * 20] * 3
     got, rows = batch_limit(
-        engine, questions, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
+        engine, prompts, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
     )
     assert got == limit and [r["batch_size"] for r in rows] == timed
     assert [r["measured_speedup"] for r in rows] == pytest.approx([speedups[b] for b in timed])
@@ -103,7 +103,7 @@ def test_batch_limit_stops_at_the_first_batch_size_that_does_not_pay(monkeypatch
     # a size whose requests would not fit the cache is not measured, nor any above it
     engine.cache.capacity_tokens = 3 * (20 + 64 + 3 + 2)  # room for 3 requests: batches of 2 only
     got, rows = batch_limit(
-        engine, questions, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
+        engine, prompts, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
     )
     assert [r["batch_size"] for r in rows] == [2] and got == (2 if speedups[2] >= 1.0 else 1)
 

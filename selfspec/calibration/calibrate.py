@@ -411,7 +411,8 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     profile = _profile(engine, plan, costs, records, estimates, validation)
     overall = _overall(estimates, min(plan.temperatures))
     best, gamma, _ = overall.best()
-    profile.max_batch_size, profile.batching = batch_limit(engine, questions, spec_config(best, gamma), plan)
+    prompts = [encoded[str(q["question_id"])] for q in questions]
+    profile.max_batch_size, profile.batching = batch_limit(engine, prompts, spec_config(best, gamma), plan)
     profile.skipped_prompts = [str(q["question_id"]) for q in skipped]
     profile.draft_heads = _head_summary(engine.heads, records, plan)
     return profile, records, estimates
@@ -533,16 +534,15 @@ BATCH_SIZES = (2, 4, 8)  # the batch sizes batch_limit times
 SHORT_PROMPT = 256  # tokens: batch_limit's prompts, a chat turn's length rather than a document's
 
 
-def batch_limit(engine, questions: list[dict], spec: SpecConfig, plan: CalibrationPlan) -> tuple[int, list[dict]]:
+def batch_limit(engine, encoded: list[list[int]], spec: SpecConfig, plan: CalibrationPlan) -> tuple[int, list[dict]]:
     """-> (the profile's max_batch_size, the measurements). B requests stepped together, continuous
     batching's unit (engine.step_batch), speculative with `spec` against plain, in alternating order,
     on their decoding time. A batch of plain steps already uses the compute a single stream leaves
     idle, so the gain of speculation shrinks with B (a 2-core Xeon served 1.4-1.5x at 2 clients and
     0.9-1.0x at 4). The limit is the largest size before the first one measured below 1.0x; a size
-    whose requests would not fit the engine's cache is not measured, and neither is any above it."""
-    prompts = [ids for q in questions if len(ids := engine.encode(q["turns"][0])) <= SHORT_PROMPT] or [
-        engine.encode(questions[0]["turns"][0])
-    ]
+    whose requests would not fit the engine's cache is not measured, and neither is any above it.
+    `encoded`: the calibration prompts' token ids; the batches take the short ones."""
+    prompts = [ids for ids in encoded if len(ids) <= SHORT_PROMPT] or encoded[:1]
     params = SamplingParams(
         temperature=min(plan.temperatures), max_tokens=plan.new_tokens, ignore_eos=True, seed=plan.seed
     )
