@@ -134,6 +134,12 @@ def finished_on(metrics: dict, replica: str) -> float:
     )
 
 
+def routing_state(metrics: dict) -> dict:
+    """The gateway's view of its replicas (in flight, down, up), for a failure's message."""
+    keep = ("selfspec_router_in_flight", "selfspec_router_replica_down", "selfspec_replica_up")
+    return {f"{name}{dict(labels)}": v for (name, labels), v in metrics.items() if name in keep}
+
+
 def test_openai_client_json_and_streaming_equal_the_engine(served, engine):
     from openai import OpenAI
 
@@ -246,13 +252,22 @@ def test_killed_replica_fails_cleanly_and_comes_back(served):
     assert error["code"] == "replica_unavailable" and error["type"] == "server_error"
     # the non-streaming request had sent nothing yet: retried on the other replica, or a clean 503
     assert plain.status_code in (200, 503) and (plain.status_code == 200 or "error" in plain.json())
-    # Ray restarts the replica; once the gateway sees it answer, requests for its prefix land on it again
-    # A hang guard, not a timing: a restart (a process, the model loaded from the cache) took over 90 s
-    # once in a full-suite run from a fresh clone on a loaded 2-core machine, and ~20 s alone.
-    deadline = time.time() + 240
+    # every request above has been released, the failed ones included (a count left behind would keep
+    # the replica's prefix away from it for good, since it would look busy)
+    state = scrape(served)
+    assert all(state[("selfspec_router_in_flight", (("replica", i),))] == 0 for i in ("0", "1")), routing_state(state)
+    # Ray restarts the replica: a new process loads the model, ~10 s alone. Waited for without sending
+    # requests, which would take the CPU the restart needs; the limit is a hang guard, not a timing
+    # (a restart took over 90 s once in a full-suite run on a loaded 2-core machine).
+    up = ("selfspec_replica_up", (("replica", str(home)),))
+    deadline = time.time() + 420
+    while scrape(served).get(up) != 1.0:
+        assert time.time() < deadline, f"replica {home} was not restarted: {routing_state(scrape(served))}"
+        time.sleep(2)
+    # once the gateway's probe sees it answer (every second), requests for its prefix land on it again
+    deadline = time.time() + 60
     while finished_on(scrape(served), str(home)) < 1:  # the new replica's own count starts at 0
-        assert time.time() < deadline, "the killed replica was not restarted, or gets no requests"
+        assert time.time() < deadline, f"replica {home} is back but gets no requests: {routing_state(scrape(served))}"
         r = httpx.post(served.url + "/v1/chat/completions", json=chat_body("victim"), timeout=60)
-        assert r.status_code == 200  # meanwhile the other replica serves them
+        assert r.status_code == 200
         time.sleep(1)
-    assert scrape(served)[("selfspec_replica_up", (("replica", str(home)),))] == 1.0
