@@ -165,33 +165,39 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* exp(x) for x in [-87, 88] to ~2 ulp (smaller x gives 0): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a
- * degree-6 polynomial, 2^n through the exponent bits. A vector op sequence glibc's scalar expf cannot
- * match in throughput; every lane computes the same operations, so results do not depend on position. */
 static inline v8 select8(v8i mask, v8 a, v8 b) { return (v8)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
 static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
+/* Sixteen floats: one AVX-512 register, two AVX ones (the compiler splits them). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
 /* exp(x) for x in [-87, 88] to ~2 ulp (smaller x gives 0): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by
  * Cephes' degree-6 polynomial, 2^n through the exponent bits. Vector code where glibc's expf is one
- * value at a time; every lane runs the same operations, so a value does not depend on its lane. */
-static inline v8 exp8(v8 x) {
-    v8i under = x < -87.0f;
-    x = select8(under, splat8(-87.0f), x);
-    x = select8(x > 88.0f, splat8(88.0f), x);
-    v8 n = x * 1.44269504088896341f + 12582912.0f; /* rounded to an integer by the 1.5 * 2^23 shift */
-    n = n - 12582912.0f;
-    v8 r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return select8(under, splat8(0.0f), p * (v8)bits);
-}
+ * value at a time; every lane runs the same operations (none fused: -ffp-contract=off), so a value
+ * depends neither on its lane nor on the vector's width. */
+#define EXP_OF(name, vf, vi)                                                                          \
+    static inline vf name(vf x) {                                                                     \
+        vi under = x < -87.0f;                                                                        \
+        x = (vf)(((vi)x & ~under) | ((vi)((vf){0} - 87.0f) & under));                                  \
+        vi over = x > 88.0f;                                                                          \
+        x = (vf)(((vi)x & ~over) | ((vi)((vf){0} + 88.0f) & over));                                    \
+        vf n = x * 1.44269504088896341f + 12582912.0f; /* rounded to an integer by the 1.5 * 2^23 shift */ \
+        n = n - 12582912.0f;                                                                          \
+        vf r = x - n * 0.693359375f;                                                                  \
+        r = r - n * -2.12194440e-4f;                                                                  \
+        vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                               \
+        p = p * r + 8.3334519073e-3f;                                                                 \
+        p = p * r + 4.1665795894e-2f;                                                                 \
+        p = p * r + 1.6666665459e-1f;                                                                 \
+        p = p * r + 5.0000001201e-1f;                                                                 \
+        p = p * (r * r) + r + 1.0f;                                                                   \
+        vi bits = (__builtin_convertvector(n, vi) + 127) << 23;                                       \
+        return (vf)((vi)(p * (vf)bits) & ~under);                                                     \
+    }
+EXP_OF(exp8, v8, v8i)
+EXP_OF(exp16, v16, v16i)
 
 /* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w.
  * Eight lanes at a time: each element's operations are the scalar ones (IEEE, no contraction). */
@@ -227,45 +233,56 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf) {
 
 /* acc [dim] += sum over keys k < n of p[k] * v[k], one key after another (the same order whichever chunks
  * a caller splits the keys into: acc goes through memory between chunks, which keeps its bits). The
- * accumulators stay in registers for the head sizes that matter (dim a constant after inlining: 64, 128). */
-static inline __attribute__((always_inline)) void weigh(const float *p, int64_t n, const float *const *v, int64_t dim,
-                                                        float *acc) {
+ * accumulators stay in registers for the head sizes that matter (dim a constant after inlining: 64, 128).
+ * The values are float32 rows, or (bf) bfloat16 ones straight from the cache, widened in registers: the
+ * same values, so the same bits. */
+static inline __attribute__((always_inline)) void weigh(const float *p, int64_t n, const void *const *v, int64_t dim,
+                                                        float *acc, int bf) {
     v8 a[16];
     int64_t vectors = dim / LANES;
     for (int64_t i = 0; i < vectors; i++) a[i] = load8(acc + i * LANES);
     for (int64_t k = 0; k < n; k++) {
         v8 w = splat8(p[k]);
-        for (int64_t i = 0; i < vectors; i++) a[i] = fma8(a[i], w, load8(v[k] + i * LANES));
+        for (int64_t i = 0; i < vectors; i++)
+            a[i] = fma8(a[i], w,
+                        bf ? load_bf16((const uint16_t *)v[k] + i * LANES) : load8((const float *)v[k] + i * LANES));
     }
     memcpy(acc, a, sizeof(float) * (size_t)dim);
 }
 
-static void weighted_sum(const float *p, int64_t n, const float *const *v, int64_t dim, float *acc) {
+static void weighted_sum(const float *p, int64_t n, const void *const *v, int64_t dim, float *acc, int bf) {
     if (dim == 64)
-        weigh(p, n, v, 64, acc);
+        bf ? weigh(p, n, v, 64, acc, 1) : weigh(p, n, v, 64, acc, 0);
     else if (dim == 128)
-        weigh(p, n, v, 128, acc);
+        bf ? weigh(p, n, v, 128, acc, 1) : weigh(p, n, v, 128, acc, 0);
     else if (dim % LANES == 0 && dim <= 16 * LANES)
-        weigh(p, n, v, dim, acc);
+        bf ? weigh(p, n, v, dim, acc, 1) : weigh(p, n, v, dim, acc, 0);
     else /* any other head size: one value at a time */
         for (int64_t k = 0; k < n; k++)
-            for (int64_t i = 0; i < dim; i++) acc[i] += p[k] * v[k][i];
+            for (int64_t i = 0; i < dim; i++) acc[i] += p[k] * get(v[k], i, bf);
 }
 
 #ifdef __AVX512F__
+/* 16 elements of a key or value from the cache as float32 (a bfloat16 one widened in registers: exact). */
+static inline __m512 load16(const void *x, int64_t i, int bf) {
+    if (!bf) return _mm512_loadu_ps((const float *)x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* weigh for two queries over the same n keys: each value read once for both, and 8 independent
  * accumulators at dim 64 (one query's 4 sixteen-lane ones would wait on the FMA latency). Each lane's
  * arithmetic is weigh's (acc + p * v, fused, key after key), so the bits are weigh's. */
 static inline __attribute__((always_inline)) void weigh2(const float *p1, const float *p2, int64_t n,
-                                                         const float *const *v, int64_t dim, float *acc1,
-                                                         float *acc2) {
+                                                         const void *const *v, int64_t dim, float *acc1, float *acc2,
+                                                         int bf) {
     __m512 a[8], b[8];
     int64_t vectors = dim / 16;
     for (int64_t i = 0; i < vectors; i++) a[i] = _mm512_loadu_ps(acc1 + 16 * i), b[i] = _mm512_loadu_ps(acc2 + 16 * i);
     for (int64_t k = 0; k < n; k++) {
         __m512 w1 = _mm512_set1_ps(p1[k]), w2 = _mm512_set1_ps(p2[k]);
         for (int64_t i = 0; i < vectors; i++) {
-            __m512 x = _mm512_loadu_ps(v[k] + 16 * i);
+            __m512 x = load16(v[k], 16 * i, bf);
             a[i] = _mm512_fmadd_ps(w1, x, a[i]);
             b[i] = _mm512_fmadd_ps(w2, x, b[i]);
         }
@@ -278,24 +295,26 @@ static inline __attribute__((always_inline)) void weigh2(const float *p1, const 
  * w2[k]; v[k - c] is key k's value. Each query takes its keys in ascending order, as weighted_sum would
  * on its own (so the same bits); the keys both read share each value load where the CPU has AVX-512. */
 static void weighted_pair(const float *w1, int64_t a1, int64_t b1, const float *w2, int64_t a2, int64_t b2,
-                          const float *const *v, int64_t c, int64_t dim, float *acc1, float *acc2) {
+                          const void *const *v, int64_t c, int64_t dim, float *acc1, float *acc2, int bf) {
     int64_t lo = a1 > a2 ? a1 : a2, hi = b1 < b2 ? b1 : b2;
 #ifdef __AVX512F__
     if (lo < hi && dim % 16 == 0 && dim <= 128) {
-        if (a1 < lo) weighted_sum(w1 + a1, lo - a1, v + a1 - c, dim, acc1);
-        if (a2 < lo) weighted_sum(w2 + a2, lo - a2, v + a2 - c, dim, acc2);
+        if (a1 < lo) weighted_sum(w1 + a1, lo - a1, v + a1 - c, dim, acc1, bf);
+        if (a2 < lo) weighted_sum(w2 + a2, lo - a2, v + a2 - c, dim, acc2, bf);
+        const float *x1 = w1 + lo, *x2 = w2 + lo;
+        const void *const *u = v + lo - c;
         if (dim == 64)
-            weigh2(w1 + lo, w2 + lo, hi - lo, v + lo - c, 64, acc1, acc2);
+            bf ? weigh2(x1, x2, hi - lo, u, 64, acc1, acc2, 1) : weigh2(x1, x2, hi - lo, u, 64, acc1, acc2, 0);
         else
-            weigh2(w1 + lo, w2 + lo, hi - lo, v + lo - c, dim, acc1, acc2);
-        if (b1 > hi) weighted_sum(w1 + hi, b1 - hi, v + hi - c, dim, acc1);
-        if (b2 > hi) weighted_sum(w2 + hi, b2 - hi, v + hi - c, dim, acc2);
+            bf ? weigh2(x1, x2, hi - lo, u, dim, acc1, acc2, 1) : weigh2(x1, x2, hi - lo, u, dim, acc1, acc2, 0);
+        if (b1 > hi) weighted_sum(w1 + hi, b1 - hi, v + hi - c, dim, acc1, bf);
+        if (b2 > hi) weighted_sum(w2 + hi, b2 - hi, v + hi - c, dim, acc2, bf);
         return;
     }
 #endif
     (void)lo, (void)hi;
-    if (a1 < b1) weighted_sum(w1 + a1, b1 - a1, v + a1 - c, dim, acc1);
-    if (a2 < b2) weighted_sum(w2 + a2, b2 - a2, v + a2 - c, dim, acc2);
+    if (a1 < b1) weighted_sum(w1 + a1, b1 - a1, v + a1 - c, dim, acc1, bf);
+    if (a2 < b2) weighted_sum(w2 + a2, b2 - a2, v + a2 - c, dim, acc2, bf);
 }
 
 /* x [dim] <- x * cos + roll(x, dim / 2) * sin_signed, each product and the sum rounded as torch's
@@ -354,13 +373,6 @@ static inline __attribute__((always_inline)) v8 dot8(const float *q, const float
  * the FMAs of two dot8 calls and a shorter reduction per key; its scores differ from dot8's in the last
  * bits, so one machine always takes the same one (by dim). */
 #define KEYS 16
-/* 16 elements of a key from the cache as float32 (a bfloat16 one widened in registers: exact). */
-static inline __m512 key16(const void *key, int64_t i, int bf) {
-    if (!bf) return _mm512_loadu_ps((const float *)key + i);
-    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)key + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static inline __attribute__((always_inline)) __m512 dot16(const float *q, const void *const *keys, int64_t dim,
                                                           int bf) {
     __m512 s[16], t[8], u[4];
@@ -368,10 +380,10 @@ static inline __attribute__((always_inline)) __m512 dot16(const float *q, const 
         __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
         int64_t i = 0;
         for (; i + 32 <= dim; i += 32) {
-            even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key16(keys[l], i, bf), even);
-            odd = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), key16(keys[l], i + 16, bf), odd);
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys[l], i, bf), even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16(keys[l], i + 16, bf), odd);
         }
-        if (i < dim) even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), key16(keys[l], i, bf), even);
+        if (i < dim) even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys[l], i, bf), even);
         s[l] = _mm512_add_ps(even, odd);
     }
     for (int j = 0; j < 8; j++) /* per quarter: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of keys 2j, 2j + 1 */
@@ -444,12 +456,16 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
                          int64_t hi, const int64_t *begin, const int64_t *end, int64_t first, int64_t m, int64_t g,
                          int64_t i0, int64_t i1, int64_t heads, int64_t kv_heads, int64_t dim, int64_t width,
                          float scale, void *out, int bf) {
-    int64_t group = heads / kv_heads, queries = i1 - i0, stride = hi - lo + KEYS; /* local i: i0 + i */
-    int64_t buffered = CHUNK > KEYS ? CHUNK : KEYS;
-    float *scratch = malloc(sizeof(float) * (size_t)(queries * (2 * dim + stride + 2 + LANES) + buffered * dim));
-    float *q = scratch, *p = q + queries * dim, *acc = p + queries * stride, *top = acc + queries * dim;
-    float *total = top + queries, *peak = total + queries, *kt = peak + queries * LANES;
-    const float **v = malloc(sizeof(float *) * CHUNK);
+    int64_t group = heads / kv_heads, queries = i1 - i0, buffered = CHUNK > KEYS ? CHUNK : KEYS;
+    int64_t stride = (hi - lo + 31) / 16 * 16; /* >= keys + 16 of padding, in whole 64-byte lines */
+    /* 64-byte aligned, each part a whole number of lines where dim is a multiple of 16: a vector load
+     * from a row that straddles two cache lines costs two (bfloat16 keys and values copied to kt: a
+     * step's attention for 8 rows at a 1000-token context 11.4 -> 8.9 ms with this and exp16) */
+    size_t floats = (size_t)(queries * (2 * dim + stride + 2 + LANES) + buffered * dim);
+    float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+    float *q = scratch, *p = q + queries * dim, *acc = p + queries * stride, *kt = acc + queries * dim;
+    float *top = kt + buffered * dim, *total = top + queries, *peak = total + queries;
+    const void **v = malloc(sizeof(void *) * CHUNK);
     for (int64_t i = 0; i < queries; i++) {
         int64_t head = g * group + (i0 + i) / m, at = (first + (i0 + i) % m) * width + head * dim;
         const float *qi = row(qkv, at, dim, q + i * dim, bf);
@@ -457,9 +473,10 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         top[i] = -INFINITY;
         for (int l = 0; l < LANES; l++) peak[i * LANES + l] = -INFINITY;
     }
-    /* bfloat16 keys: converted once into kt and shared by the queries, or, when at most 4 queries share
-     * them (a decoding step, a draft), widened in dot16's registers instead of copied (k = 1 at a
-     * 1000-token context: 3.4 -> 3.0 ms a step's attention; 8 rows: 10.5 -> 12.1 ms, hence the cutoff). */
+    /* bfloat16 keys and values: converted once into kt and shared by the queries, or, when at most 4
+     * queries share them (a decoding step, a draft), widened in registers where they are used instead of
+     * copied (keys alone, k = 1 at a 1000-token context: 3.4 -> 3.0 ms a step's attention; 8 rows: 10.5 ->
+     * 12.1 ms, hence the cutoff). */
     int wide = bf && DOT16(dim) && queries <= 4;
     for (int64_t k = lo; k < hi; k += KEYS) { /* KEYS keys at a time; every query shares each key read */
         const void *keys[KEYS];
@@ -481,35 +498,43 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         int64_t n = end[(i0 + i) % m] - begin[(i0 + i) % m];
         float *pi = p + i * stride;
         for (int l = 0; l < LANES; l++) top[i] = peak[i * LANES + l] > top[i] ? peak[i * LANES + l] : top[i];
-        for (int64_t k = n; k < n + LANES; k++) pi[k] = -INFINITY; /* the last vector's padding */
+        for (int64_t k = n; k < n + 16; k++) pi[k] = -INFINITY; /* the last vector's padding */
         v8 sum = {0};
-        for (int64_t k = 0; k < n; k += LANES) {
-            v8 e = exp8(load8(pi + k) - top[i]);
+        for (int64_t k = 0; k < n; k += 16) { /* exp 16 at a time, summed 8 by 8 as ever: the same bits */
+            v16 e;
+            memcpy(&e, pi + k, sizeof e);
+            e = exp16(e - top[i]);
             memcpy(pi + k, &e, sizeof e);
-            sum += e;
+            v8 half[2];
+            memcpy(half, &e, sizeof half);
+            sum += half[0];
+            sum += half[1]; /* past n: exp(-inf) = +0, which leaves each lane's sum as it was */
         }
         total[i] = sum8(sum);
         memset(acc + i * dim, 0, sizeof(float) * (size_t)dim);
     }
     for (int64_t c = lo; c < hi; c += CHUNK) { /* CHUNK values at a time; every query shares each read */
         int64_t stop = c + CHUNK < hi ? c + CHUNK : hi;
-        for (int64_t k = c; k < stop; k++)
-            v[k - c] = row(kv, ((kv_heads + g) * slots + slot[k - lo]) * dim, dim, kt + (k - c) * dim, bf);
+        for (int64_t k = c; k < stop; k++) {
+            int64_t offset = ((kv_heads + g) * slots + slot[k - lo]) * dim;
+            v[k - c] = wide ? (const void *)((const uint16_t *)kv + offset)
+                            : (const void *)row(kv, offset, dim, kt + (k - c) * dim, bf);
+        }
         for (int64_t i = 0; i < queries; i += 2) { /* two queries at a time, sharing each value load */
             int64_t j = (i0 + i) % m, a = c > begin[j] ? c : begin[j], b = stop < end[j] ? stop : end[j];
             const float *w = p + i * stride - begin[j];
             if (i + 1 == queries) {
-                if (a < b) weighted_sum(w + a, b - a, v + a - c, dim, acc + i * dim);
+                if (a < b) weighted_sum(w + a, b - a, v + a - c, dim, acc + i * dim, wide);
                 continue;
             }
             int64_t j2 = (i0 + i + 1) % m, a2 = c > begin[j2] ? c : begin[j2], b2 = stop < end[j2] ? stop : end[j2];
             weighted_pair(w, a, b, p + (i + 1) * stride - begin[j2], a2, b2, v, c, dim, acc + i * dim,
-                          acc + (i + 1) * dim);
+                          acc + (i + 1) * dim, wide);
         }
     }
     for (int64_t i = 0; i < queries; i++) {
         int64_t head = g * group + (i0 + i) / m, at = (first + (i0 + i) % m) * heads * dim + head * dim;
-        for (int64_t d = 0; d < dim; d++) put(out, at + d, acc[i * dim + d] / total[i], bf);
+        for (int64_t d = 0; d < dim; d += LANES) put8(out, at + d, load8(acc + i * dim + d) / total[i], bf);
     }
     free(v);
     free(scratch);
