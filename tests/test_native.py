@@ -124,8 +124,8 @@ LAYER_BACKENDS = [
 )
 @torch.inference_mode()
 def test_a_whole_layer_call_gives_the_bits_of_the_separate_calls(weights, backend, dtype, monkeypatch):
-    """native.c's `layer` (one call per layer) against the same kernels called op by op from Python:
-    decoding steps and a 4-row verification pass, padded batches included, bit for bit."""
+    """native.c's `layers` (one call per pass) and `layer` (one call per layer) against the same kernels
+    called op by op from Python: decoding steps and a 4-row verification pass, bit for bit."""
     from selfspec.kernels import BACKENDS
     from selfspec.kernels.choice import KernelPlan
 
@@ -135,16 +135,54 @@ def test_a_whole_layer_call_gives_the_bits_of_the_separate_calls(weights, backen
     kernels = KernelPlan(weights, backend, True)
     model = build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, dtype, kernels)
     assert all(lin.spec is not None for layer in model.layers for lin in layer.linears())
-    calls = []
-    whole = model.ops.layer
-    monkeypatch.setattr(model.ops, "layer", lambda *a: calls.append(1) or whole(*a))
+    calls = {"layers": 0, "layer": 0}  # calls that ran (the prompt's pass is SDPA's: None)
+
+    def counted(name: str):
+        run = getattr(model.ops, name)
+
+        def call(*a):
+            out = run(*a)
+            calls[name] += out is not None
+            return out
+
+        return call
+
+    monkeypatch.setattr(model.ops, "layers", counted("layers"))
+    monkeypatch.setattr(model.ops, "layer", counted("layer"))
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     steps, verified, tokens = decode(model, model.ops, prompt, 6, 4)
-    assert len(calls) >= 7 * model.num_layers  # the steps and the pass went through `layer`
+    assert calls == {"layers": 7, "layer": 0}  # the steps and the pass: one `layers` call each
+    monkeypatch.setattr(model.ops, "layers", lambda *a: None)  # a call per layer
+    per_layer = decode(model, model.ops, prompt, 6, 4)
+    assert calls["layer"] >= 7 * model.num_layers
     monkeypatch.setattr(model.ops, "layer", lambda *a: None)  # op by op
-    separate_steps, separate_verified, separate_tokens = decode(model, model.ops, prompt, 6, 4)
-    assert torch.equal(steps, separate_steps) and torch.equal(verified, separate_verified)
-    assert tokens == separate_tokens
+    separate = decode(model, model.ops, prompt, 6, 4)
+    for run in (per_layer, separate):
+        assert torch.equal(steps, run[0]) and torch.equal(verified, run[1]) and tokens == run[2]
+
+
+@torch.inference_mode()
+def test_the_layer_table_follows_a_swapped_linear():
+    """`layers` reads weights through a table built once per model: reassigning a layer's linear (as
+    tests and benchmarks do) must reach it, or the pass would run the old weights."""
+    model = tiny()
+    assert all(lin.spec is not None for layer in model.layers for lin in layer.linears())  # `layers` runs
+    cache = model.new_cache(64)
+    seq = cache.allocate()
+    model.prefill(cache, seq, list(range(10, 20)))
+
+    def step() -> torch.Tensor:
+        out = model.logits(model.forward(torch.tensor([[7]]), cache, [seq]))
+        cache.truncate(seq, 10)
+        return out
+
+    before = step()
+    layer = model.layers[0]
+    layer.o = model.make_linear(torch.zeros(layer.o.out_features, layer.o.in_features))
+    after = step()
+    assert not torch.equal(before, after)
+    model.ops.layers = lambda *a: None  # the same pass a layer at a time: no table involved
+    assert torch.equal(after, step())
 
 
 @torch.inference_mode()

@@ -74,6 +74,14 @@ class LinearSpec(ctypes.Structure):
 KINDS = {"zero": 0, "float32": 1, "bfloat16": 2, "q8": 3, "q4": 4, "q8_i8": 5, "q4_i8": 6}  # native.c's LINEAR_*
 
 
+class LayerSpec(ctypes.Structure):
+    """native.c's layer_spec: one layer's norms, linears and window (for `layers`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm")]
+    _fields_ += [(name, ctypes.POINTER(LinearSpec)) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("window", ctypes.c_int64)]
+
+
 class PassInfo(ctypes.Structure):
     """native.c's pass_info: what every layer of one pass reads (ops.Fused.prepare)."""
 
@@ -100,7 +108,9 @@ class Native:
         spec, info = ctypes.POINTER(LinearSpec), ctypes.POINTER(PassInfo)
         lib.attend_pass.argtypes = [info, p, p, i, i, p]
         lib.layer.argtypes = [info, p, i, i, p, p, p, p, p, p, spec, spec, spec, spec]
+        lib.layers.argtypes = [info, p, i, p, i, p, p, p, p]  # the arrays by address: callers start mid-array
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layer)
+        fns += (lib.layers,)
         for fn in fns:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2 and F16C)

@@ -35,6 +35,13 @@ class LayerWeights:
     down: Linear  # [hidden, intermediate]
 
     LINEARS: ClassVar[tuple[str, ...]] = ("qkv", "o", "gate_up", "down")
+    # Assignments to any layer's weights so far: what was built from them before (ops.Fused's native
+    # layer table) is stale once this moves (a test or benchmark swapping a linear).
+    edits: ClassVar[int] = 0
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        LayerWeights.edits += 1
 
     def linears(self) -> list[Linear]:
         return [getattr(self, name) for name in self.LINEARS]
@@ -128,6 +135,10 @@ class DecoderModel:
         h = F.embedding(x, self.embed_weight) if x.dtype == torch.long else x
         state = self.ops.prepare(batch)  # what every layer's attention reads
         y = None  # the last linear's output, not yet added to the residual stream h
+        whole = self.ops.layers(h, self.layers, start, end, state, cache.layers)
+        if whole is not None:
+            h, y = whole
+            return h + y
         for i in range(start, end):
             h, y = self._layer(i, h, y, batch, state, cache.layers[i])
         return h if y is None else h + y

@@ -6,6 +6,7 @@ attention.paged_attention), so verification reproduces plain decoding exactly un
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,6 +68,19 @@ class Eager:
         """A whole layer in one call, where the ops can (Fused); None: the caller runs it op by op."""
         return None
 
+    def layers(
+        self,
+        h: torch.Tensor,
+        weights: list[LayerWeights],
+        start: int,
+        end: int,
+        state: tuple | NativePass,
+        kv: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layers [start, end) from h (no pending output) in one call, where the ops can (Fused):
+        (h, y) after the last of them; None: the caller runs them one by one."""
+        return None
+
     def prepare(self, batch: AttentionBatch) -> tuple | NativePass:
         """What every layer's `attend` of this pass reads: here cos, sin [B, S, 1, head_dim]."""
         return self.rope.lookup(batch.positions, max(batch.kv_lens))
@@ -102,6 +116,8 @@ class Fused(Eager):
         super().__init__(config, rope)
         self.lib = lib
         self._scale = 1.0 / math.sqrt(config.head_dim)  # SDPA's default
+        self._table: tuple | None = None  # (key, weights, native.LayerSpec array or None): see _layer_table
+        self._kv: tuple | None = None  # (a cache's layer list, the array of its addresses)
 
     def add_norm(
         self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -169,6 +185,59 @@ class Fused(Eager):
             *specs,
         )
         return h_out, y_out
+
+    def layers(
+        self,
+        h: torch.Tensor,
+        weights: list[LayerWeights],
+        start: int,
+        end: int,
+        state: tuple | NativePass,
+        kv: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """decoder layers [start, end) in one native.c call (`layers`: `layer` after `layer`, so the same
+        bits) for a row-exact pass whose linears are all native; None otherwise."""
+        table = self._layer_table(weights) if isinstance(state, NativePass) and end > start else None
+        if table is None:
+            return None
+        h = h.contiguous()
+        h_out, y_out = torch.empty_like(h), torch.empty_like(h)  # y: the down projection's output, hidden wide
+        slots = kv[0].shape[2] * kv[0].shape[3]  # blocks * block_size, the same in every layer
+        self.lib.lib.layers(
+            state.info,
+            ctypes.addressof(table) + start * ctypes.sizeof(native.LayerSpec),
+            end - start,
+            ctypes.addressof(self._kv_addresses(kv)) + start * ctypes.sizeof(ctypes.c_void_p),
+            slots,
+            h.data_ptr(),
+            None,
+            h_out.data_ptr(),
+            y_out.data_ptr(),
+        )
+        return h_out, y_out
+
+    def _layer_table(self, weights: list[LayerWeights]) -> ctypes.Array | None:
+        """Every layer's native.LayerSpec (None where a linear is not native), built once per model and
+        again after any layer's weights are reassigned (LayerWeights.edits)."""
+        key = (type(weights[0]).edits, id(weights))
+        if self._table is None or self._table[0] != key:
+            specs = [(w.qkv.spec, w.o.spec, w.gate_up.spec, w.down.spec) for w in weights]
+            table = None
+            if all(None not in s for s in specs):
+                windows = [w or 0 for w in self.config.sliding_windows]
+                rows = [
+                    native.LayerSpec(w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(), *map(ctypes.pointer, s), window)
+                    for w, s, window in zip(weights, specs, windows)
+                ]
+                table = (native.LayerSpec * len(rows))(*rows)
+            self._table = (key, weights, table)  # holding `weights` keeps its id from being reused
+        return self._table[2]
+
+    def _kv_addresses(self, kv: list[torch.Tensor]) -> ctypes.Array:
+        """The addresses of a cache's per-layer tensors (its list, made once, is kept with them)."""
+        if self._kv is None or self._kv[0] is not kv:
+            self._kv = (kv, (ctypes.c_void_p * len(kv))(*(t.data_ptr() for t in kv)))
+        return self._kv[1]
 
     def attend(
         self,
