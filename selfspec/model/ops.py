@@ -117,7 +117,6 @@ class Fused(Eager):
         self.lib = lib
         self._scale = 1.0 / math.sqrt(config.head_dim)  # SDPA's default
         self._table: tuple | None = None  # (key, weights, native.LayerSpec array or None): see _layer_table
-        self._kv: tuple | None = None  # (a cache's layer list, the array of its addresses)
 
     def add_norm(
         self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -203,11 +202,13 @@ class Fused(Eager):
         h = h.contiguous()
         h_out, y_out = torch.empty_like(h), torch.empty_like(h)  # y: the down projection's output, hidden wide
         slots = kv[0].shape[2] * kv[0].shape[3]  # blocks * block_size, the same in every layer
+        # the cache's layer addresses, made per pass (~7 us) and kept by nothing, so no cache outlives its use
+        addresses = (ctypes.c_void_p * len(kv))(*(t.data_ptr() for t in kv))
         self.lib.lib.layers(
             state.info,
             ctypes.addressof(table) + start * ctypes.sizeof(native.LayerSpec),
             end - start,
-            ctypes.addressof(self._kv_addresses(kv)) + start * ctypes.sizeof(ctypes.c_void_p),
+            ctypes.addressof(addresses) + start * ctypes.sizeof(ctypes.c_void_p),
             slots,
             h.data_ptr(),
             None,
@@ -232,12 +233,6 @@ class Fused(Eager):
                 table = (native.LayerSpec * len(rows))(*rows)
             self._table = (key, weights, table)  # holding `weights` keeps its id from being reused
         return self._table[2]
-
-    def _kv_addresses(self, kv: list[torch.Tensor]) -> ctypes.Array:
-        """The addresses of a cache's per-layer tensors (its list, made once, is kept with them)."""
-        if self._kv is None or self._kv[0] is not kv:
-            self._kv = (kv, (ctypes.c_void_p * len(kv))(*(t.data_ptr() for t in kv)))
-        return self._kv[1]
 
     def attend(
         self,
