@@ -22,7 +22,7 @@ class Linear(ABC):
 
     name: ClassVar[str]
     row_exact: ClassVar[bool]
-    spec = None  # native.LinearSpec where native.c's `layer` can run this linear (the native backends)
+    spec = None  # native.LinearSpec where native.c's `layers` can run this linear (the native backends)
 
     def __init__(
         self,

@@ -1302,7 +1302,7 @@ static void linear_act(const linear_spec *L, const void *x, void *y, int64_t row
 /* kv: the layer's cache (`slots` per kv head); h [rows, hidden] (+ y, the previous layer's output, or
  * NULL) -> h_out: the residual stream after attention; y_out: the MLP's output (added to the stream by
  * the next layer's first norm). */
-void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const void *h, const void *y,
+static void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const void *h, const void *y,
            void *h_out, void *y_out, const void *attn_norm, const void *mlp_norm, const linear_spec *qkv,
            const linear_spec *o, const linear_spec *gate_up, const linear_spec *down) {
     int64_t rows = P->batch * P->seq_len, n = P->hidden, elem = P->bf ? 2 : 4, inner = gate_up->out / 2;

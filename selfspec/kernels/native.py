@@ -64,7 +64,7 @@ def _build(compiler: str) -> Path:
 
 
 class LinearSpec(ctypes.Structure):
-    """native.c's linear_spec: one linear's weights as its backend keeps them (for `layer`)."""
+    """native.c's linear_spec: one linear's weights as its backend keeps them (for `layers`)."""
 
     _fields_ = [("kind", ctypes.c_int64), ("inn", ctypes.c_int64), ("out", ctypes.c_int64)] + [
         (name, ctypes.c_void_p) for name in ("w", "scale", "offset")
@@ -105,12 +105,10 @@ class Native:
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
-        spec, info = ctypes.POINTER(LinearSpec), ctypes.POINTER(PassInfo)
+        info = ctypes.POINTER(PassInfo)
         lib.attend_pass.argtypes = [info, p, p, i, i, p]
-        lib.layer.argtypes = [info, p, i, i, p, p, p, p, p, p, spec, spec, spec, spec]
         lib.layers.argtypes = [info, p, i, p, i, p, p, p, p]  # the arrays by address: callers start mid-array
-        fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layer)
-        fns += (lib.layers,)
+        fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
         for fn in fns:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2 and F16C)
@@ -200,7 +198,7 @@ class NativeLinear(Linear):
 
     @cached_property
     def spec(self) -> LinearSpec | None:
-        """This linear for native.c's `layer` (None with a bias, which the separate path adds). It holds
+        """This linear for native.c's `layers` (None with a bias, which the separate path adds). It holds
         the weights' addresses: a backend's tensors stay as __init__ made them."""
         if self.bias is not None:
             return None

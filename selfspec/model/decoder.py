@@ -169,9 +169,6 @@ class DecoderModel:
         """(h, y): the residual stream and the previous layer's output -> this layer's (h, y). Each
         residual add is left to the next norm, which makes it one fused call (ops.Fused)."""
         c, w, ops = self.config, self.layers[i], self.ops
-        whole = ops.layer(h, y, w, state, layer_kv, c.sliding_windows[i])
-        if whole is not None:
-            return whole
         h, x = ops.add_norm(h, y, w.attn_norm, c.rms_norm_eps)
         o = ops.attend(w.qkv(x), batch, state, layer_kv, c.sliding_windows[i])  # [B, S, heads * head_dim]
         h, x = ops.add_norm(h, w.o(o), w.mlp_norm, c.rms_norm_eps)

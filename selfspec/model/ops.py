@@ -56,18 +56,6 @@ class Eager:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
 
-    def layer(
-        self,
-        h: torch.Tensor,
-        y: torch.Tensor | None,
-        weights: LayerWeights,
-        state: tuple | NativePass,
-        layer_kv: torch.Tensor,
-        window: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A whole layer in one call, where the ops can (Fused); None: the caller runs it op by op."""
-        return None
-
     def layers(
         self,
         h: torch.Tensor,
@@ -153,37 +141,6 @@ class Fused(Eager):
             torch.get_num_threads(),
         )
         return NativePass(positions, slots, tables, counts, info)
-
-    def layer(
-        self,
-        h: torch.Tensor,
-        y: torch.Tensor | None,
-        weights: LayerWeights,
-        state: tuple | NativePass,
-        layer_kv: torch.Tensor,
-        window: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """decoder._layer in one native.c call, for a row-exact pass whose four linears are native
-        (their `spec`); the same kernels in the same order, so the same bits. None otherwise."""
-        specs = (weights.qkv.spec, weights.o.spec, weights.gate_up.spec, weights.down.spec)
-        if not isinstance(state, NativePass) or None in specs:
-            return None
-        h = h.contiguous()
-        h_out, y_out = torch.empty_like(h), h.new_empty(*h.shape[:-1], weights.down.out_features)
-        self.lib.lib.layer(
-            state.info,
-            layer_kv.data_ptr(),
-            layer_kv.shape[2] * layer_kv.shape[3],  # slots: blocks * block_size
-            window or 0,
-            h.data_ptr(),
-            None if y is None else y.contiguous().data_ptr(),
-            h_out.data_ptr(),
-            y_out.data_ptr(),
-            weights.attn_norm.data_ptr(),
-            weights.mlp_norm.data_ptr(),
-            *specs,
-        )
-        return h_out, y_out
 
     def layers(
         self,
