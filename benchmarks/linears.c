@@ -7,6 +7,7 @@
  *   cc -O3 -march=native -ffp-contract=off -fopenmp benchmarks/linears.c -o /tmp/linears -lm
  *   /tmp/linears 0   # float32 weights (linear_dense);  1: bfloat16;
  *                    # 2: int4 codes with an int8 LM head on int8 activations (linear_q4_i8, linear_q8_i8)
+ *                    # 3: bfloat16 in pair panels (linear_pairs; AVX512-BF16 only)
  *
  * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 (-DQ4_AHEAD=0 -DQ8_AHEAD=0) to build without the kernels' software
  * prefetch. */
@@ -23,7 +24,7 @@ static double seconds(void) {
 }
 
 int main(int argc, char **argv) {
-    int mode = argc > 1 ? atoi(argv[1]) : 0, bf = mode == 1, threads = argc > 2 ? atoi(argv[2]) : 2;
+    int mode = argc > 1 ? atoi(argv[1]) : 0, bf = mode == 1 || mode == 3, threads = argc > 2 ? atoi(argv[2]) : 2;
     const int64_t shapes[8][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576},
                                   {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}}; /* [in, out] */
     enum { LINEARS = 30 * 7 + 1, PASSES = 12 };
@@ -51,6 +52,9 @@ int main(int argc, char **argv) {
             double t = seconds();
             for (int l = 0; l < LINEARS; l++)
                 if (mode < 2) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
+#ifdef __AVX512BF16__
+                else if (mode == 3) linear_pairs(x, w[l], y, ks[j], in[l], out[l], threads);
+#endif
 #ifdef DOT_I8
                 else if (l < LINEARS - 1) linear_q4_i8(x, w[l], y, ks[j], in[l], out[l], threads);
                 else linear_q8_i8(x, w[l], scale, y, ks[j], in[l], out[l], threads);
@@ -58,7 +62,7 @@ int main(int argc, char **argv) {
             t = seconds() - t;
             if (t < best[j]) best[j] = t;
         }
-    printf("%s weights, %d threads:", mode == 2 ? "int4 (int8 head)" : bf ? "bfloat16" : "float32", threads);
+    printf("%s weights, %d threads:", mode == 2 ? "int4 (int8 head)" : mode == 3 ? "bfloat16 pairs" : bf ? "bfloat16" : "float32", threads);
     for (int j = 0; j < 6; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
     printf("\n");
     return 0;

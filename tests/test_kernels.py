@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN
+from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN, native
 from selfspec.kernels import choice as kernel_choice
 from selfspec.kernels.base import EXACT_ROWS
 from selfspec.kernels.choice import plan
@@ -209,16 +209,37 @@ def test_a_shape_the_backend_cannot_pack_runs_dense_and_says_so():
     assert model.logits(model.forward(torch.tensor([[1, 2, 3]]), cache, [cache.allocate()])).shape[-1] == 250
 
 
+def pairs() -> bool:
+    """native.c was built with its bfloat16 pair kernel (AVX512-BF16)."""
+    return NativeFloat.unavailable(torch.float32) is None and native.library().pairs
+
+
 @pytest.mark.skipif(NativeFloat.unavailable(torch.float32) is not None, reason="native.c unavailable")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_float_panels_take_any_width_and_keep_rows_exact(dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, kind",
+    [
+        (torch.float32, "float32"),
+        (torch.bfloat16, "bfloat16"),
+        pytest.param(
+            torch.bfloat16,
+            "bfloat16_pairs",
+            marks=pytest.mark.skipif(not pairs(), reason="native.c's pair kernel needs AVX512-BF16"),
+        ),
+    ],
+)
+def test_native_float_panels_take_any_width_and_keep_rows_exact(dtype, kind, monkeypatch):
     """native's float weights are packed in panels of 16 output columns, the last one padded: a width
     that is not a multiple of 16 (a 250-token head) computes its real columns only, unpacks to the
     weight, and every tile shape (1-3 rows span several panels, 4-6 one, more rows several row blocks)
-    and thread count gives a row the same bits."""
+    and thread count gives a row the same bits. bfloat16 takes the pair panels where the CPU has
+    AVX512-BF16, else the widening ones (forced here by hiding the pair kernel)."""
+    if native.library().pairs and kind == "bfloat16":
+        monkeypatch.setattr(native.library(), "pairs", False)
     w, _ = weight(out=250, inn=192, seed=4)
     lin = NativeFloat(w, None, dtype)
-    assert lin.panels.shape == (16, 192, 16) and torch.equal(lin.dequantized(), w.to(dtype).float())
+    shape = (16, 96, 16, 2) if kind == "bfloat16_pairs" else (16, 192, 16)
+    assert lin.kind == kind and lin.panels.shape == shape
+    assert torch.equal(lin.dequantized(), w.to(dtype).float())
     x = torch.randn(13, 192, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = x.float() @ w.to(dtype).float().t()
     one = torch.cat([lin(x[i : i + 1]) for i in range(13)])

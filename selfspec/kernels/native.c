@@ -801,6 +801,79 @@ void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t
         }
 }
 
+/* bfloat16 weights on bfloat16 activations with AVX512-BF16 (vdpbf16ps: 32 products a lane pair per
+ * instruction, against the panels above' 16 after two widening ops), packed at load (native_float.py)
+ * in pair panels of 16 output columns: pair row j of panel p holds (W[o, 2j], W[o, 2j + 1]) for
+ * o = 16p .. 16p + 15, 64 bytes, the last panel padded with zero columns. Each output is one float32
+ * lane that vdpbf16ps adds both products of a pair to, pair after pair in order, so a row's bits depend
+ * only on its own x and W's column, as above (row-exact); they differ from linear_dense's in order
+ * and in vdpbf16ps's flushing of subnormals, so a model's bfloat16 bits depend on the kernel `auto`
+ * picked, and plain and speculative passes share it. x holds bfloat16 values widened to float32
+ * (exact): it is narrowed back without rounding. */
+int bf16_pairs(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512BF16__
+/* n rows of x (bfloat16, pairs as int32) times `np` consecutive pair panels (w: the first) -> y. */
+static inline __attribute__((always_inline)) void pair_tile(const int32_t *x, const uint16_t *w, float *y,
+                                                            int64_t in, int64_t out, int64_t cols, int np, int n) {
+    __m512 acc[4][TILE_ROWS];
+    int64_t half = in / 2;
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < n; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < half; j++)
+        for (int p = 0; p < np; p++) {
+            const uint16_t *panel = w + p * in * PANEL;
+            __m512bh wj = (__m512bh)_mm512_loadu_si512((const void *)(panel + j * 2 * PANEL));
+            __builtin_prefetch((const char *)(panel + j * 2 * PANEL) + AHEAD_BF16, 0, 3);
+            for (int r = 0; r < n; r++)
+                acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wj, (__m512bh)_mm512_set1_epi32(x[r * half + j]));
+        }
+    for (int p = 0; p < np; p++) {
+        int64_t c = cols - p * PANEL;
+        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
+        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
+    }
+}
+
+#define PAIR_TILE(np, n) pair_tile(xr, wp, yr, in, out, cols, np, n)
+
+/* x [rows, in] float32 holding bfloat16 values, w: pair panels (above) -> y [rows, out] float32; in even. */
+void linear_pairs(const float *x, const uint16_t *w, float *y, int64_t rows, int64_t in, int64_t out,
+                  int threads) {
+    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(rows * in));
+    for (int64_t i = 0; i < rows * in; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        xb[i] = (uint16_t)(u >> 16);
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < (panels + span - 1) / span; g++)
+        for (int64_t p = g * span; p < (g + 1) * span && p < panels;) {
+            int np = panels - p >= span ? (int)span : 1;
+            const uint16_t *wp = w + p * in * PANEL;
+            int64_t cols = out - p * PANEL;
+            for (int64_t r = 0; r < rows;) {
+                int n = tile_rows(rows - r);
+                const int32_t *xr = (const int32_t *)(xb + r * in);
+                float *yr = y + r * out + p * PANEL;
+                if (np == 4) PAIR_TILE(4, 1);
+                else if (np == 2) n == 1 ? PAIR_TILE(2, 1) : n == 2 ? PAIR_TILE(2, 2) : PAIR_TILE(2, 3);
+                else BY_ROWS(n, PAIR_TILE, 1);
+                r += n;
+            }
+            p += np;
+        }
+    free(xb);
+}
+#endif
+
 /* 4-bit weights in groups of 32 along `in`: per group 16 bytes, byte j holding code j in its low nibble
  * and code j + 16 in its high one (GGUF's Q4 block order), and a float32 scale s and offset m:
  * w = q * s + m. So x . w = sum over groups of s * (x . q) + m * sum(x): the codes are widened to
@@ -1251,7 +1324,7 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
     const float *scale, *offset;
 } linear_spec;
 
-enum { LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8 };
+enum { LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS };
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
     const void *cos, *sin;
@@ -1280,6 +1353,9 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
 #ifdef DOT_I8
     case LINEAR_Q8_I8: linear_q8_i8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
     case LINEAR_Q4_I8: linear_q4_i8(x, L->w, y, rows, L->in, L->out, threads); break;
+#endif
+#ifdef __AVX512BF16__
+    case LINEAR_BF16_PAIRS: linear_pairs(x, L->w, y, rows, L->in, L->out, threads); break;
 #endif
     default: memset(y, 0, sizeof(float) * (size_t)(rows * L->out));
     }

@@ -71,7 +71,8 @@ class LinearSpec(ctypes.Structure):
     ]
 
 
-KINDS = {"zero": 0, "float32": 1, "bfloat16": 2, "q8": 3, "q4": 4, "q8_i8": 5, "q4_i8": 6}  # native.c's LINEAR_*
+KINDS = {"zero": 0, "float32": 1, "bfloat16": 2, "q8": 3, "q4": 4, "q8_i8": 5, "q4_i8": 6, "bfloat16_pairs": 7}
+# (native.c's LINEAR_*)
 
 
 class LayerSpec(ctypes.Structure):
@@ -116,6 +117,10 @@ class Native:
             lib.linear_q4_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int]
             lib.linear_q8_i8.argtypes = lib.linear_q8.argtypes
             lib.linear_q4_i8.restype = lib.linear_q8_i8.restype = None
+        self.pairs = bool(lib.bf16_pairs())  # bfloat16 weights in pair panels (AVX512-BF16)
+        if self.pairs:
+            lib.linear_pairs.argtypes = [p, p, p, i, i, i, ctypes.c_int]
+            lib.linear_pairs.restype = None
         self.lib, self.path = lib, path
 
     def add_norm(
@@ -186,7 +191,8 @@ class NativeLinear(Linear):
             raise RuntimeError(why)
         if in_features % self.multiple:
             raise ValueError(f"{self.name}: {in_features} input features are not a multiple of {self.multiple}")
-        self.lib = library().lib
+        self.native = library()
+        self.lib = self.native.lib
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """A decoding step's path: contiguous [..., in] in, one C call (bfloat16 widened before it and

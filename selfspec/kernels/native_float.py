@@ -1,8 +1,9 @@
 """float32 or bfloat16 weights on native.c's own linear (`linear_dense`): the weight packed once at load
 in panels of 16 output columns (a bfloat16 one is widened to float32 in registers: half the bytes of
-float32), float32 accumulation, panels split over OpenMP threads, up to 6 rows per read of a panel.
-Row-exact by construction (native.c). Measured against oneDNN's prepacked weights per machine
-(choice.py)."""
+float32), float32 accumulation, panels split over OpenMP threads, up to 6 rows per read of a panel
+(8 with AVX-512). Where the CPU has AVX512-BF16, bfloat16 weights are packed in pair panels instead
+and multiplied by vdpbf16ps (`linear_pairs`). Row-exact by construction (native.c). Measured against
+oneDNN's prepacked weights per machine (choice.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ class NativeFloat(native.NativeLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(*weight.shape, bias, dtype, weight.device)
-        self.panels = pack(weight.to(dtype))  # in the activations' float format
-        self.kind = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        weight = weight.to(dtype)  # in the activations' float format
+        self.kind = "float32" if dtype == torch.float32 else "bfloat16_pairs" if self.native.pairs else "bfloat16"
+        self.panels = pack_pairs(weight) if self.kind == "bfloat16_pairs" else pack(weight)
 
     def tensors(self) -> tuple[torch.Tensor, None, None]:
         return self.panels, None, None
@@ -29,7 +31,7 @@ class NativeFloat(native.NativeLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] in float32: a copy, unpacked from the panels."""
-        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].float()
+        return self.transposed().t().contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """More than EXACT_ROWS rows (a prompt) go to torch's float32 GEMM, blocked for the caches where
@@ -43,12 +45,18 @@ class NativeFloat(native.NativeLinear):
     def transposed(self) -> torch.Tensor:
         """W.T [in, out] in float32, unpacked (one copy) for a prompt's GEMM: as fast as F.linear on the
         plain weight for the layers here, where unpacking to [out, in] first cost 10-50 % more."""
-        wt = torch.empty(self.in_features, *self.panels.shape[::2], dtype=torch.float32, device=self.panels.device)
-        return wt.copy_(self.panels.transpose(0, 1)).view(self.in_features, -1)[:, : self.out_features]
+        panels = self.panels
+        if self.kind == "bfloat16_pairs":  # [P, in / 2, 16, 2] -> [P, in, 16], a view
+            panels = panels.transpose(2, 3).reshape(len(panels), self.in_features, PANEL)
+        wt = torch.empty(self.in_features, len(panels), PANEL, dtype=torch.float32, device=panels.device)
+        return wt.copy_(panels.transpose(0, 1)).view(self.in_features, -1)[:, : self.out_features]
 
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
-        p, bf = self.panels.data_ptr(), native.DTYPES[self.dtype]
-        self.lib.linear_dense(x.data_ptr(), p, y.data_ptr(), rows, self.in_features, self.out_features, bf, threads)
+        p, shape = self.panels.data_ptr(), (rows, self.in_features, self.out_features)
+        if self.kind == "bfloat16_pairs":
+            self.lib.linear_pairs(x.data_ptr(), p, y.data_ptr(), *shape, threads)
+        else:
+            self.lib.linear_dense(x.data_ptr(), p, y.data_ptr(), *shape, native.DTYPES[self.dtype], threads)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -56,6 +64,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     input, contiguous; the last panel padded with zero columns). A tile then reads one contiguous run
     and each output is one lane of its vectors, summed over the inputs in order."""
     return padded(weight).view(-1, PANEL, weight.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in / 2, 16, 2]: native.c's pair panels (pair row j of a panel: each
+    of its 16 columns' weights 2j and 2j + 1, what one vdpbf16ps multiplies); in is even."""
+    return padded(weight).view(-1, PANEL, weight.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
 def padded(t: torch.Tensor) -> torch.Tensor:
