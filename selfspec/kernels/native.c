@@ -199,36 +199,67 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 EXP_OF(exp8, v8, v8i)
 EXP_OF(exp16, v16, v16i)
 
-/* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w.
- * Eight lanes at a time: each element's operations are the scalar ones (IEEE, no contraction). */
-void add_norm(const void *h, const void *y, void *h_out, const void *w, void *x, int64_t rows, int64_t n,
-              float eps, int bf) {
-    float *t = malloc(sizeof(float) * (size_t)(n + LANES));
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t o = r * n;
-        for (int64_t i = 0; i < n; i += LANES) {
-            v8 v = getn(h, o + i, n - i, bf);
-            if (y) {
-                v = round8(v + getn(y, o + i, n - i, bf), bf);
-                putn(h_out, o + i, v, n - i, bf);
-            }
-            memcpy(t + i, &v, sizeof v);
+/* Elementwise work (in elements) from which the glue below splits its rows over the threads: below it,
+ * starting the team costs more than the other thread saves (a decoding step's one row). */
+#define GLUE_WORK 4096
+#define GLUE_TEAM(work, threads) if ((work) >= GLUE_WORK && (threads) > 1) num_threads(threads)
+
+/* Row r of add_norm (t: n + 8 floats of scratch). */
+static inline __attribute__((always_inline)) void add_norm_row(const void *h, const void *y, void *h_out,
+                                                               const void *w, void *x, int64_t r, int64_t n,
+                                                               float eps, float *t, int bf) {
+    int64_t o = r * n;
+    for (int64_t i = 0; i < n; i += LANES) {
+        v8 v = getn(h, o + i, n - i, bf);
+        if (y) {
+            v = round8(v + getn(y, o + i, n - i, bf), bf);
+            putn(h_out, o + i, v, n - i, bf);
         }
-        v8 rs = splat8(1.0f / sqrtf(dot(t, t, n) / (float)n + eps));
-        for (int64_t i = 0; i < n; i += LANES)
-            putn(x, o + i, round8(load8(t + i) * rs, bf) * getn(w, i, n - i, bf), n - i, bf);
+        memcpy(t + i, &v, sizeof v);
     }
-    free(t);
+    v8 rs = splat8(1.0f / sqrtf(dot(t, t, n) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += LANES) putn(x, o + i, round8(load8(t + i) * rs, bf) * getn(w, i, n - i, bf), n - i, bf);
+}
+
+/* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w.
+ * Eight lanes at a time: each element's operations are the scalar ones (IEEE, no contraction). Rows are
+ * independent, so splitting them over threads leaves every bit as it was. */
+void add_norm(const void *h, const void *y, void *h_out, const void *w, void *x, int64_t rows, int64_t n,
+              float eps, int bf, int threads) {
+#pragma omp parallel GLUE_TEAM(rows * n, threads)
+    {
+        float *t = malloc(sizeof(float) * (size_t)(n + LANES));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            bf ? add_norm_row(h, y, h_out, w, x, r, n, eps, t, 1) : add_norm_row(h, y, h_out, w, x, r, n, eps, t, 0);
+        free(t);
+    }
+}
+
+/* Row r of silu_mul. */
+static inline __attribute__((always_inline)) void silu_row(const void *gate_up, void *out, int64_t r, int64_t n,
+                                                           int bf) {
+    for (int64_t i = 0; i < n; i += LANES) {
+        v8 g = getn(gate_up, r * 2 * n + i, n - i, bf);
+        v8 act = round8(g / (exp8(-g) + 1.0f), bf);
+        putn(out, r * n + i, act * getn(gate_up, r * 2 * n + n + i, n - i, bf), n - i, bf);
+    }
 }
 
 /* gate_up [rows, 2 * n] (gate then up) -> out [rows, n] = silu(gate) * up. */
-void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n; i += LANES) {
-            v8 g = getn(gate_up, r * 2 * n + i, n - i, bf);
-            v8 act = round8(g / (exp8(-g) + 1.0f), bf);
-            putn(out, r * n + i, act * getn(gate_up, r * 2 * n + n + i, n - i, bf), n - i, bf);
-        }
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, int threads) {
+#pragma omp parallel for schedule(static) GLUE_TEAM(rows * n, threads)
+    for (int64_t r = 0; r < rows; r++) bf ? silu_row(gate_up, out, r, n, 1) : silu_row(gate_up, out, r, n, 0);
+}
+
+/* a [count] in one float format -> b in the other (widen: bfloat16 to float32, else float32 to bfloat16
+ * rounded), 8 elements at a time, split over threads in whole vectors. */
+static void convert(const void *a, void *b, int64_t count, int widen, int threads) {
+#pragma omp parallel for schedule(static) GLUE_TEAM(count, threads)
+    for (int64_t i = 0; i < count; i += LANES) {
+        if (widen) putn(b, i, getn(a, i, count - i, 1), count - i, 0);
+        else putn(b, i, getn(a, i, count - i, 0), count - i, 1);
+    }
 }
 
 /* acc [dim] += sum over keys k < n of p[k] * v[k], one key after another (the same order whichever chunks
@@ -1369,9 +1400,9 @@ static void linear_act(const linear_spec *L, const void *x, void *y, int64_t row
     }
     int64_t n = rows * L->in, m = rows * L->out;
     float *xf = malloc(sizeof(float) * (size_t)(n + m)), *yf = xf + n;
-    for (int64_t i = 0; i < n; i += LANES) putn(xf, i, getn(x, i, n - i, 1), n - i, 0);
+    convert(x, xf, n, 1, threads);
     linear_run(L, xf, yf, rows, threads);
-    for (int64_t i = 0; i < m; i += LANES) putn(y, i, getn(yf, i, m - i, 0), m - i, 1);
+    convert(yf, y, m, 0, threads);
     free(xf);
 }
 
@@ -1389,16 +1420,16 @@ static void layer(const pass_info *P, void *kv, int64_t slots, int64_t window, c
     char *a = x + rows * n * elem, *b = a + rows * width * elem, *c = b + rows * width * elem;
     const void *stream = h;
     if (y) {
-        add_norm(h, y, h_out, attn_norm, x, rows, n, P->eps, bf);
+        add_norm(h, y, h_out, attn_norm, x, rows, n, P->eps, bf, threads);
         stream = h_out;
     } else
-        add_norm(h, NULL, NULL, attn_norm, x, rows, n, P->eps, bf);
+        add_norm(h, NULL, NULL, attn_norm, x, rows, n, P->eps, bf, threads);
     linear_act(qkv, x, a, rows, bf, threads);
     attend_pass(P, a, kv, slots, window, b);
     linear_act(o, b, a, rows, bf, threads);
-    add_norm(stream, a, h_out, mlp_norm, x, rows, n, P->eps, bf);
+    add_norm(stream, a, h_out, mlp_norm, x, rows, n, P->eps, bf, threads);
     linear_act(gate_up, x, a, rows, bf, threads);
-    silu_mul(a, c, rows, inner, bf);
+    silu_mul(a, c, rows, inner, bf, threads);
     linear_act(down, c, y_out, rows, bf, threads);
     free(x);
 }

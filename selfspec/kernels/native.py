@@ -101,8 +101,8 @@ class Native:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int]
-        lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int]
+        lib.add_norm.argtypes = [p, p, p, p, p, i, i, f, ctypes.c_int, ctypes.c_int]
+        lib.silu_mul.argtypes = [p, p, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
@@ -141,6 +141,7 @@ class Native:
             n,
             eps,
             DTYPES[h.dtype],
+            torch.get_num_threads(),
         )
         return out, x
 
@@ -148,7 +149,8 @@ class Native:
         """gate_up [..., 2n] -> silu(gate) * up [..., n]."""
         n = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], n)
-        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * n), n, DTYPES[gate_up.dtype])
+        rows, bf = gate_up.numel() // (2 * n), DTYPES[gate_up.dtype]
+        self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, bf, torch.get_num_threads())
         return out
 
 
