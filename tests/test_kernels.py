@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN, native
+from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN, native, native_float
 from selfspec.kernels import choice as kernel_choice
 from selfspec.kernels.base import EXACT_ROWS
 from selfspec.kernels.choice import plan
@@ -250,3 +250,18 @@ def test_native_float_panels_take_any_width_and_keep_rows_exact(dtype, kind, mon
             assert torch.equal(lin(x[:k]), one[:k]), (threads, k)
     prompt = torch.randn(EXACT_ROWS + 5, 192, generator=torch.Generator().manual_seed(6))
     assert torch.allclose(lin(prompt.to(dtype)).float(), prompt.to(dtype).float() @ w.to(dtype).float().t(), atol=1e-2)
+
+
+@pytest.mark.skipif(NativeFloat.unavailable(torch.float32) is not None, reason="native.c unavailable")
+@pytest.mark.parametrize("gemm", [True, False])
+def test_native_bfloat16_prompt_takes_either_gemm(gemm, monkeypatch):
+    """A prompt's bfloat16 rows go to torch's bfloat16 GEMM where bf16_gemm timed it faster, else to the
+    float32 one on widened inputs: either way the product of the same bfloat16 weights, rounded once."""
+    monkeypatch.setattr(native_float, "bf16_gemm", lambda: gemm)
+    w, _ = weight(out=250, inn=192, seed=4)
+    lin = NativeFloat(w, None, torch.bfloat16)
+    x = torch.randn(EXACT_ROWS + 5, 192, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = x.float() @ w.bfloat16().float().t()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert ((y.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()

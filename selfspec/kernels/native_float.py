@@ -7,6 +7,9 @@ oneDNN's prepacked weights per machine (choice.py)."""
 
 from __future__ import annotations
 
+import time
+from functools import cache
+
 import torch
 
 from . import native
@@ -34,22 +37,28 @@ class NativeFloat(native.NativeLinear):
         return self.transposed().t().contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """More than EXACT_ROWS rows (a prompt) go to torch's float32 GEMM, blocked for the caches where
+        """More than EXACT_ROWS rows (a prompt) go to torch's GEMM, blocked for the caches where
         linear_dense is built for a step's few rows: a 767-token prompt prefills in 1.7 s instead of 3.8 s
-        (fp32; bf16, widened first, 2.0 s instead of 3.6 s, where torch's own bf16 GEMM is ~4x slower;
-        AMD EPYC, 2 threads). Not row-exact, which a prompt's pass is not asked to be (base.EXACT_ROWS)."""
+        (fp32; AMD EPYC with AVX2, 2 threads). bfloat16 takes torch's bfloat16 GEMM where it beats the
+        float32 one here (`bf16_gemm`: 2.3-2.7x faster with AVX512-BF16), else is widened to float32
+        (torch's bf16 GEMM was ~4x slower on the AVX2 EPYC). Not row-exact, which a prompt's pass is not
+        asked to be (base.EXACT_ROWS): plain and speculative decoding share it."""
         if x.numel() // self.in_features > EXACT_ROWS:
+            if self.dtype == torch.bfloat16 and bf16_gemm():
+                return x.contiguous() @ self.transposed(torch.bfloat16)
             return (x.to(torch.float32) @ self.transposed()).to(self.dtype)
         return super().matmul(x)
 
-    def transposed(self) -> torch.Tensor:
-        """W.T [in, out] in float32, unpacked (one copy) for a prompt's GEMM: as fast as F.linear on the
+    def transposed(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W.T [in, out] in `dtype`, unpacked (one copy) for a prompt's GEMM: as fast as F.linear on the
         plain weight for the layers here, where unpacking to [out, in] first cost 10-50 % more."""
         panels = self.panels
-        if self.kind == "bfloat16_pairs":  # [P, in / 2, 16, 2] -> [P, in, 16], a view
-            panels = panels.transpose(2, 3).reshape(len(panels), self.in_features, PANEL)
-        wt = torch.empty(self.in_features, len(panels), PANEL, dtype=torch.float32, device=panels.device)
-        return wt.copy_(panels.transpose(0, 1)).view(self.in_features, -1)[:, : self.out_features]
+        if self.kind == "bfloat16_pairs":  # [P, in / 2, 16, 2] -> [in / 2, 2, P, 16]: W.T's order
+            panels = panels.permute(1, 3, 0, 2)
+        else:
+            panels = panels.transpose(0, 1)  # [P, in, 16] -> [in, P, 16]
+        wt = torch.empty(panels.shape, dtype=dtype, device=panels.device)
+        return wt.copy_(panels).view(self.in_features, -1)[:, : self.out_features]
 
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
         p, shape = self.panels.data_ptr(), (rows, self.in_features, self.out_features)
@@ -57,6 +66,26 @@ class NativeFloat(native.NativeLinear):
             self.lib.linear_pairs(x.data_ptr(), p, y.data_ptr(), *shape, threads)
         else:
             self.lib.linear_dense(x.data_ptr(), p, y.data_ptr(), *shape, native.DTYPES[self.dtype], threads)
+
+
+@cache
+def bf16_gemm() -> bool:
+    """Whether torch's bfloat16 GEMM beats its float32 GEMM (inputs widened first) on a prompt's product
+    here, timed once per process (~30 ms): oneDNN runs it on AVX512-BF16 or AMX where the CPU has them,
+    and much slower where it has not."""
+    x, w = torch.randn(256, 576), torch.randn(576, 1536)
+    xb, wb = x.bfloat16(), w.bfloat16()
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(lambda: xb @ wb) < 0.8 * best(lambda: (xb.float() @ w).bfloat16())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
