@@ -398,25 +398,10 @@ static inline __attribute__((always_inline)) v8 dot8(const float *q, const float
 }
 
 #ifdef __AVX512F__
-/* q . key for 16 keys at once (lane l: keys[l]), 16 products to a lane, the lanes of each key added by
- * one fixed tree (within each 4-lane quarter (x0 + x2) + (x1 + x3), then (q0 + q1) + (q2 + q3)), the same
- * for every key, so a score does not depend on which 16 keys it was computed with. dim % 16 == 0. Half
- * the FMAs of two dot8 calls and a shorter reduction per key; its scores differ from dot8's in the last
- * bits, so one machine always takes the same one (by dim). */
-#define KEYS 16
-static inline __attribute__((always_inline)) __m512 dot16(const float *q, const void *const *keys, int64_t dim,
-                                                          int bf) {
-    __m512 s[16], t[8], u[4];
-    for (int l = 0; l < 16; l++) {
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= dim; i += 32) {
-            even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys[l], i, bf), even);
-            odd = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16(keys[l], i + 16, bf), odd);
-        }
-        if (i < dim) even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys[l], i, bf), even);
-        s[l] = _mm512_add_ps(even, odd);
-    }
+/* The 16-lane sums of 16 keys (s[l]: key l's) -> lane l = key l's total, by one fixed tree: within each
+ * 4-lane quarter (x0 + x2) + (x1 + x3), then (q0 + q1) + (q2 + q3). */
+static inline __attribute__((always_inline)) __m512 lanes16(const __m512 *s) {
+    __m512 t[8], u[4];
     for (int j = 0; j < 8; j++) /* per quarter: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of keys 2j, 2j + 1 */
         t[j] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * j], s[2 * j + 1]), _mm512_unpackhi_ps(s[2 * j], s[2 * j + 1]));
     for (int j = 0; j < 4; j++) /* per quarter: keys 4j .. 4j + 3, each (x0 + x2) + (x1 + x3) */
@@ -427,8 +412,54 @@ static inline __attribute__((always_inline)) __m512 dot16(const float *q, const 
     __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xdd));
 }
+
+/* q . key for 16 keys at once (lane l: keys[l]), 16 products to a lane, the lanes of each key added by
+ * one fixed tree (within each 4-lane quarter (x0 + x2) + (x1 + x3), then (q0 + q1) + (q2 + q3)), the same
+ * for every key, so a score does not depend on which 16 keys it was computed with. dim % 16 == 0. Half
+ * the FMAs of two dot8 calls and a shorter reduction per key; its scores differ from dot8's in the last
+ * bits, so one machine always takes the same one (by dim). */
+#define KEYS 16
+static inline __attribute__((always_inline)) __m512 dot16(const float *q, const void *const *keys, int64_t dim,
+                                                          int bf) {
+    __m512 s[16];
+    for (int l = 0; l < 16; l++) {
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= dim; i += 32) {
+            even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys[l], i, bf), even);
+            odd = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16(keys[l], i + 16, bf), odd);
+        }
+        if (i < dim) even = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(keys[l], i, bf), even);
+        s[l] = _mm512_add_ps(even, odd);
+    }
+    return lanes16(s);
+}
+
 #else
 #define KEYS LANES
+#endif
+
+#ifdef __AVX512BF16__
+/* bfloat16 q . key for 16 keys straight from the cache, by AVX512-BF16: one vdpbf16ps per 32 dims of a
+ * key (each lane adds a pair of exact products), chained over the key in order, then dot16's tree over
+ * the lanes. A quarter of dot16's multiply instructions and no widening or copying of the keys; the
+ * scores differ from dot16's in the last bits, and every bfloat16 query on such a CPU takes this path
+ * (whatever company it keeps), so rows stay exact. dim % 32 == 0. */
+#define PAIRS_DOT(dim) ((dim) % 32 == 0)
+static inline __attribute__((always_inline)) __m512 dot16_pairs(const uint16_t *q, const void *const *keys,
+                                                                int64_t dim) {
+    __m512 s[16];
+    for (int l = 0; l < 16; l++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(q + i)),
+                                   (__m512bh)_mm512_loadu_si512((const void *)((const uint16_t *)keys[l] + i)));
+        s[l] = acc;
+    }
+    return lanes16(s);
+}
+#else
+#define PAIRS_DOT(dim) 0
 #endif
 
 #ifdef __AVX512F__
@@ -440,8 +471,16 @@ static inline __attribute__((always_inline)) __m512 dot16(const float *q, const 
 /* Scaled scores of q against KEYS keys, as KEYS / 8 vectors of 8 (keys 8h .. 8h + 7 in sc[h]). The keys
  * are float32 rows, or (wide, dot16 only) bfloat16 ones straight from the cache, widened in registers:
  * the same values, so the same bits. */
-static inline __attribute__((always_inline)) void scores(const float *q, const void *const *keys, int64_t dim,
-                                                         float scale, v8 *sc, int wide) {
+static inline __attribute__((always_inline)) void scores(const float *q, const uint16_t *qb, const void *const *keys,
+                                                         int64_t dim, float scale, v8 *sc, int wide) {
+#ifdef __AVX512BF16__
+    if (qb) { /* bfloat16 keys by pairs (dot16_pairs) */
+        __m512 x = _mm512_mul_ps(dim == 64 ? dot16_pairs(qb, keys, 64) : dot16_pairs(qb, keys, dim), _mm512_set1_ps(scale));
+        sc[0] = (v8)_mm512_castps512_ps256(x), sc[1] = (v8)_mm512_extractf32x8_ps(x, 1);
+        return;
+    }
+#endif
+    (void)qb;
 #ifdef __AVX512F__
     if (DOT16(dim)) {
         __m512 d = dim == 64 ? (wide ? dot16(q, keys, 64, 1) : dot16(q, keys, 64, 0))
@@ -509,18 +548,26 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
      * copied (keys alone, k = 1 at a 1000-token context: 3.4 -> 3.0 ms a step's attention; 8 rows: 10.5 ->
      * 12.1 ms, hence the cutoff). */
     int wide = bf && DOT16(dim) && queries <= 4;
+    /* bfloat16 scores by pairs where the CPU has AVX512-BF16 (dot16_pairs): the queries narrowed back to
+     * bfloat16 (exact), the keys read from the cache as they are */
+    uint16_t *qb = bf && PAIRS_DOT(dim) ? malloc(sizeof(uint16_t) * (size_t)(queries * dim)) : NULL;
+    for (int64_t i = 0; qb && i < queries * dim; i++) {
+        uint32_t u;
+        memcpy(&u, q + i, sizeof u);
+        qb[i] = (uint16_t)(u >> 16);
+    }
     for (int64_t k = lo; k < hi; k += KEYS) { /* KEYS keys at a time; every query shares each key read */
         const void *keys[KEYS];
         for (int l = 0; l < KEYS; l++) { /* past the last key: the last key again, its score unused */
             int64_t at = k + l < hi ? k + l : hi - 1, offset = (g * slots + slot[at - lo]) * dim;
-            keys[l] = wide ? (const void *)((const uint16_t *)kv + offset)
-                           : (const void *)row(kv, offset, dim, kt + l * dim, bf);
+            keys[l] = wide || qb ? (const void *)((const uint16_t *)kv + offset)
+                                 : (const void *)row(kv, offset, dim, kt + l * dim, bf);
         }
         for (int64_t i = 0; i < queries; i++) {
             int64_t j = (i0 + i) % m;
             if (k + KEYS <= begin[j] || k >= end[j]) continue;
             v8 sc[KEYS / LANES];
-            scores(q + i * dim, keys, dim, scale, sc, wide);
+            scores(q + i * dim, qb ? qb + i * dim : NULL, keys, dim, scale, sc, wide);
             for (int h = 0; h < KEYS / LANES; h++)
                 keep(sc[h], k + h * LANES, begin[j], end[j], p + i * stride - begin[j], peak + i * LANES, top + i);
         }
@@ -567,6 +614,7 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         int64_t head = g * group + (i0 + i) / m, at = (first + (i0 + i) % m) * heads * dim + head * dim;
         for (int64_t d = 0; d < dim; d += LANES) put8(out, at + d, load8(acc + i * dim + d) / total[i], bf);
     }
+    free(qb);
     free(v);
     free(scratch);
 }
