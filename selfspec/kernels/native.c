@@ -218,7 +218,8 @@ static inline __attribute__((always_inline)) void add_norm_row(const void *h, co
         memcpy(t + i, &v, sizeof v);
     }
     v8 rs = splat8(1.0f / sqrtf(dot(t, t, n) / (float)n + eps));
-    for (int64_t i = 0; i < n; i += LANES) putn(x, o + i, round8(load8(t + i) * rs, bf) * getn(w, i, n - i, bf), n - i, bf);
+    for (int64_t i = 0; i < n; i += LANES)
+        putn(x, o + i, round8(load8(t + i) * rs, bf) * getn(w, i, n - i, bf), n - i, bf);
 }
 
 /* h [rows, n], y [rows, n] or NULL, w [n] -> h_out = h + y (skipped when y is NULL), x = rms_norm * w.
@@ -475,7 +476,8 @@ static inline __attribute__((always_inline)) void scores(const float *q, const u
                                                          int64_t dim, float scale, v8 *sc, int wide) {
 #ifdef __AVX512BF16__
     if (qb) { /* bfloat16 keys by pairs (dot16_pairs) */
-        __m512 x = _mm512_mul_ps(dim == 64 ? dot16_pairs(qb, keys, 64) : dot16_pairs(qb, keys, dim), _mm512_set1_ps(scale));
+        __m512 d = dim == 64 ? dot16_pairs(qb, keys, 64) : dot16_pairs(qb, keys, dim);
+        __m512 x = _mm512_mul_ps(d, _mm512_set1_ps(scale));
         sc[0] = (v8)_mm512_castps512_ps256(x), sc[1] = (v8)_mm512_extractf32x8_ps(x, 1);
         return;
     }
@@ -880,8 +882,8 @@ void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t
         }
 }
 
-/* bfloat16 weights on bfloat16 activations with AVX512-BF16 (vdpbf16ps: 32 products a lane pair per
- * instruction, against the panels above' 16 after two widening ops), packed at load (native_float.py)
+/* bfloat16 weights on bfloat16 activations with AVX512-BF16 (vdpbf16ps: 32 multiply-adds per instruction,
+ * two per output column, against 16 after two widening ops in the panels above), packed at load (native_float.py)
  * in pair panels of 16 output columns: pair row j of panel p holds (W[o, 2j], W[o, 2j + 1]) for
  * o = 16p .. 16p + 15, 64 bytes, the last panel padded with zero columns. Each output is one float32
  * lane that vdpbf16ps adds both products of a pair to, pair after pair in order, so a row's bits depend
