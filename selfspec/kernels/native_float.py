@@ -73,8 +73,9 @@ def bf16_gemm() -> bool:
     """Whether torch's bfloat16 GEMM beats its float32 GEMM (inputs widened first) on a prompt's product
     here, timed once per process (~30 ms): oneDNN runs it on AVX512-BF16 or AMX where the CPU has them,
     and much slower where it has not."""
-    g = torch.Generator().manual_seed(0)  # not the global generator, which a seeded caller may be using
-    x, w = torch.randn(256, 576, generator=g), torch.randn(576, 1536, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(0)  # not the global generator a seeded caller may use
+    x = torch.randn(256, 576, generator=g, device="cpu")
+    w = torch.randn(576, 1536, generator=g, device="cpu")
     xb, wb = x.bfloat16(), w.bfloat16()
 
     def best(f) -> float:
