@@ -71,8 +71,8 @@ class LinearSpec(ctypes.Structure):
     ]
 
 
+# native.c's LINEAR_*
 KINDS = {"zero": 0, "float32": 1, "bfloat16": 2, "q8": 3, "q4": 4, "q8_i8": 5, "q4_i8": 6, "bfloat16_pairs": 7}
-# (native.c's LINEAR_*)
 
 
 class LayerSpec(ctypes.Structure):

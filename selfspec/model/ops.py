@@ -221,4 +221,7 @@ def make_ops(config: ModelConfig, rope: RopeTable, dtype: torch.dtype, device: t
     lib = native.library()
     if lib is None:
         return Eager(config, rope), f"glue ops: eager ({native.unavailable()})"
-    return Fused(config, rope, lib), "glue ops: fused (native.c)"
+    pairs = (
+        "; bfloat16 attention scores and native linears by AVX512-BF16" if lib.pairs and dtype == torch.bfloat16 else ""
+    )
+    return Fused(config, rope, lib), f"glue ops: fused (native.c{pairs})"
