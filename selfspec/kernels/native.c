@@ -924,7 +924,8 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t *x, co
 
 #define PAIR_TILE(np, n) pair_tile(xr, wp, yr, in, out, cols, np, n)
 
-/* x [rows, in] float32 holding bfloat16 values, w: pair panels (above) -> y [rows, out] float32; in even. */
+/* x [rows, in] float32 holding bfloat16 values, w: pair panels (above) -> y [rows, out] float32; in even.
+ * linear_dense's schedule (panel groups over threads, the same tiles and row blocks) on pair panels. */
 void linear_pairs(const float *x, const uint16_t *w, float *y, int64_t rows, int64_t in, int64_t out,
                   int threads) {
     int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
