@@ -854,34 +854,6 @@ static inline int tile_rows(int64_t left) {
     return left <= TILE_ROWS ? (int)left : left < 2 * TILE_ROWS ? (int)(left + 1) / 2 : TILE_ROWS;
 }
 
-/* panel_tile with np, n and bf known to the compiler (each case unrolled on its own). */
-#define TILE(np, n)                                                                                                   \
-    (bf ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1) : panel_tile(xr, wp, yr, in, out, cols, np, n, 0))
-
-/* x [rows, in] float32, w: float32 (bf = 0) or bfloat16 (bf = 1) panels (above) -> y [rows, out] float32. */
-void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bf,
-                  int threads) {
-    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
-    size_t bytes = (size_t)(in * PANEL) * (bf ? 2 : 4); /* one panel */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < (panels + span - 1) / span; g++)
-        for (int64_t p = g * span; p < (g + 1) * span && p < panels;) {
-            int np = panels - p >= span ? (int)span : 1; /* a short last group: one panel at a time */
-            const void *wp = (const char *)w + p * bytes;
-            int64_t cols = out - p * PANEL;
-            for (int64_t r = 0; r < rows;) {
-                int n = tile_rows(rows - r);
-                const float *xr = x + r * in;
-                float *yr = y + r * out + p * PANEL;
-                if (np == 4) TILE(4, 1);
-                else if (np == 2) n == 1 ? TILE(2, 1) : n == 2 ? TILE(2, 2) : TILE(2, 3);
-                else BY_ROWS(n, TILE, 1);
-                r += n;
-            }
-            p += np;
-        }
-}
-
 /* bfloat16 weights on bfloat16 activations with AVX512-BF16 (vdpbf16ps: 32 multiply-adds per instruction,
  * two per output column, against 16 after two widening ops in the panels above), packed at load (native_float.py)
  * in pair panels of 16 output columns: pair row j of panel p holds (W[o, 2j], W[o, 2j + 1]) for
@@ -921,37 +893,66 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t *x, co
         for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
     }
 }
+#endif
 
-#define PAIR_TILE(np, n) pair_tile(xr, wp, yr, in, out, cols, np, n)
+enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS }; /* the weight layouts the schedule below runs */
 
-/* x [rows, in] float32 holding bfloat16 values, w: pair panels (above) -> y [rows, out] float32; in even.
- * linear_dense's schedule (panel groups over threads, the same tiles and row blocks) on pair panels. */
+/* One tile of `layout` with np and n known to the compiler (each case unrolled on its own). */
+#ifdef __AVX512BF16__
+#define PAIR_TILE(np, n) pair_tile((const int32_t *)(xb + r * in), wp, yr, in, out, cols, np, n)
+#else
+#define PAIR_TILE(np, n) (void)0
+#endif
+#define TILE(np, n)                                                                                                   \
+    (layout == PANELS_PAIRS ? PAIR_TILE(np, n)                                                                        \
+     : layout == PANELS_BF16 ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1)                                       \
+                             : panel_tile(xr, wp, yr, in, out, cols, np, n, 0))
+
+/* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
+ * panels): groups of 1-4 panels split over the threads (4 for one row, 2 for 2-3, else 1), each
+ * group's rows in tiles of up to TILE_ROWS. */
+static inline __attribute__((always_inline)) void over_panels(const float *x, const uint16_t *xb, const void *w,
+                                                              float *y, int64_t rows, int64_t in, int64_t out,
+                                                              int layout, int threads) {
+    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+    size_t bytes = (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2); /* one panel */
+    (void)xb;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < (panels + span - 1) / span; g++)
+        for (int64_t p = g * span; p < (g + 1) * span && p < panels;) {
+            int np = panels - p >= span ? (int)span : 1; /* a short last group: one panel at a time */
+            const void *wp = (const char *)w + p * bytes;
+            int64_t cols = out - p * PANEL;
+            for (int64_t r = 0; r < rows;) {
+                int n = tile_rows(rows - r);
+                const float *xr = x + r * in;
+                float *yr = y + r * out + p * PANEL;
+                if (np == 4) TILE(4, 1);
+                else if (np == 2) n == 1 ? TILE(2, 1) : n == 2 ? TILE(2, 2) : TILE(2, 3);
+                else BY_ROWS(n, TILE, 1);
+                r += n;
+            }
+            p += np;
+        }
+}
+
+/* x [rows, in] float32, w: float32 (bf = 0) or bfloat16 (bf = 1) panels (above) -> y [rows, out] float32. */
+void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bf,
+                  int threads) {
+    over_panels(x, NULL, w, y, rows, in, out, bf ? PANELS_BF16 : PANELS_F32, threads);
+}
+
+#ifdef __AVX512BF16__
+/* x [rows, in] float32 holding bfloat16 values, w: pair panels (above) -> y [rows, out] float32; in even. */
 void linear_pairs(const float *x, const uint16_t *w, float *y, int64_t rows, int64_t in, int64_t out,
                   int threads) {
-    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(rows * in));
     for (int64_t i = 0; i < rows * in; i++) {
         uint32_t u;
         memcpy(&u, x + i, sizeof u);
         xb[i] = (uint16_t)(u >> 16);
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < (panels + span - 1) / span; g++)
-        for (int64_t p = g * span; p < (g + 1) * span && p < panels;) {
-            int np = panels - p >= span ? (int)span : 1;
-            const uint16_t *wp = w + p * in * PANEL;
-            int64_t cols = out - p * PANEL;
-            for (int64_t r = 0; r < rows;) {
-                int n = tile_rows(rows - r);
-                const int32_t *xr = (const int32_t *)(xb + r * in);
-                float *yr = y + r * out + p * PANEL;
-                if (np == 4) PAIR_TILE(4, 1);
-                else if (np == 2) n == 1 ? PAIR_TILE(2, 1) : n == 2 ? PAIR_TILE(2, 2) : PAIR_TILE(2, 3);
-                else BY_ROWS(n, PAIR_TILE, 1);
-                r += n;
-            }
-            p += np;
-        }
+    over_panels(x, xb, w, y, rows, in, out, PANELS_PAIRS, threads);
     free(xb);
 }
 #endif
