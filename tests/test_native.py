@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from selfspec.kernels import native
+from selfspec.kernels.choice import plan
 from selfspec.model.config import ModelConfig
 from selfspec.model.decoder import build_model
 from selfspec.model.ops import Eager, Fused
@@ -31,7 +32,10 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def tiny(family="llama", dtype=torch.float32, **overrides):
     hf = tiny_hf_model(family, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, **overrides)
-    return build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, dtype)
+    # native.c's linears whatever a timing would pick: at these shapes oneDNN can win it (seen on an AVX2
+    # EPYC), and `layers` runs native linears only
+    kernels = plan(dtype, backend="native") if native.library() is not None else None
+    return build_model(ModelConfig.from_hf(hf.config.to_dict()), hf.state_dict().get, dtype, kernels)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
