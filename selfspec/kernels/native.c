@@ -92,6 +92,18 @@ static inline v8 load_bf16(const uint16_t *p) {
 #endif
 }
 
+/* n float32 values that hold bfloat16 ones (widened: exact) -> a new array of the bfloat16 bits, their
+ * upper halves (the caller frees it). */
+static inline uint16_t *narrowed(const float *x, int64_t n) {
+    uint16_t *b = malloc(sizeof(uint16_t) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        b[i] = (uint16_t)(u >> 16);
+    }
+    return b;
+}
+
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
@@ -552,12 +564,7 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
     int wide = bf && DOT16(dim) && queries <= 4;
     /* bfloat16 scores by pairs where the CPU has AVX512-BF16 (dot16_pairs): the queries narrowed back to
      * bfloat16 (exact), the keys read from the cache as they are */
-    uint16_t *qb = bf && PAIRS_DOT(dim) ? malloc(sizeof(uint16_t) * (size_t)(queries * dim)) : NULL;
-    for (int64_t i = 0; qb && i < queries * dim; i++) {
-        uint32_t u;
-        memcpy(&u, q + i, sizeof u);
-        qb[i] = (uint16_t)(u >> 16);
-    }
+    uint16_t *qb = bf && PAIRS_DOT(dim) ? narrowed(q, queries * dim) : NULL;
     for (int64_t k = lo; k < hi; k += KEYS) { /* KEYS keys at a time; every query shares each key read */
         const void *keys[KEYS];
         for (int l = 0; l < KEYS; l++) { /* past the last key: the last key again, its score unused */
@@ -955,12 +962,7 @@ void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t
 /* x [rows, in] float32 holding bfloat16 values, w: pair panels (above) -> y [rows, out] float32; in even. */
 void linear_pairs(const float *x, const uint16_t *w, float *y, int64_t rows, int64_t in, int64_t out,
                   int threads) {
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(rows * in));
-    for (int64_t i = 0; i < rows * in; i++) {
-        uint32_t u;
-        memcpy(&u, x + i, sizeof u);
-        xb[i] = (uint16_t)(u >> 16);
-    }
+    uint16_t *xb = narrowed(x, rows * in);
     over_panels(x, xb, w, y, rows, in, out, PANELS_PAIRS, threads);
     free(xb);
 }
