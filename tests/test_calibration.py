@@ -17,6 +17,8 @@ from selfspec.calibration.calibrate import (
     _validate,
     batch_limit,
     confidence_threshold,
+    costs_at,
+    estimate_buckets,
     teacher_forced_acceptance,
     tokens_per_round,
 )
@@ -209,6 +211,9 @@ def test_calibrate_writes_profile_and_plots(calibrated, capsys):
     assert set(profile.draft_cost) == {"1", "2", "3", "int4", "lookup"} and all(
         c > 0 for c in profile.draft_cost.values()
     )
+    # timed at the first prompt's context and at the longest prompt's
+    assert len(profile.cost_contexts) == 2 and profile.cost_contexts[0]["draft_cost"] == profile.draft_cost
+    assert profile.cost_contexts[1]["tokens"] >= 2 * profile.cost_contexts[0]["tokens"]
     cats = {b.category for b in profile.buckets}
     # the tiny model's 512-token context leaves out the long summarization and RAG prompts, and says so
     assert len(profile.skipped_prompts) == 2
@@ -435,3 +440,26 @@ def test_bench_heldout_only_uses_the_heads_heldout_prompts(tiny_checkpoint, tmp_
     }
     assert main(argv[:-8] + ["--no-draft-head", "--heldout-only", "--out", str(prefix)]) == 2
     assert "no draft head with held-out prompts" in capsys.readouterr().err
+
+
+def test_a_bucket_is_estimated_with_the_costs_at_its_own_context():
+    """A draft step pays attention over the whole context as a full step does, so c and v are timed at a
+    short and a long context, and each bucket reads them at its own mean context (linear between)."""
+    short = {"tokens": 100, "c": {"int4": 0.25}, "v": {"int4": {"1": 1.0, "2": 1.1}}}
+    long = {"tokens": 900, "c": {"int4": 0.45}, "v": {"int4": {"1": 1.2, "2": 1.5}}}
+    costs = {**short, "at": [short, long]}
+    assert costs_at(costs, 50) == (short["c"], short["v"])  # the nearest timing beyond the ends
+    c, v = costs_at(costs, 500)
+    assert c["int4"] == pytest.approx(0.35) and v["int4"]["2"] == pytest.approx(1.3)
+    assert costs_at(short, 900) == (short["c"], short["v"])  # timed at one context: the same at any
+    recs = [
+        AcceptanceRecord("a", "qa", 40, 0.0, {"int4": [1.0] * 20}),
+        AcceptanceRecord("b", "rag", 880, 0.0, {"int4": [1.0] * 20}),
+    ]
+    found = estimate_buckets(recs, short["c"], short["v"], lambda n: costs_at(costs, n))
+    est = {(e.category, e.length_bucket): e.speedup["int4"]["2"] for e in found}
+    # every draft kept: γ + 1 tokens a round, for γ c + v at the bucket's context (prompt + 20 / 2 tokens)
+    assert est[("qa", "0-63")] == pytest.approx(3 / (2 * 0.25 + 1.1))
+    c, v = costs_at(costs, 890)
+    assert est[("rag", "256-1023")] == pytest.approx(3 / (2 * c["int4"] + v["int4"]["2"]))
+    assert est[("rag", "256-1023")] < est[("all", "all")] < est[("qa", "0-63")]

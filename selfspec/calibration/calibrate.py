@@ -245,14 +245,32 @@ def spec_config(source: str, gamma: int) -> SpecConfig:
     return SpecConfig(int(source), gamma) if source.isdigit() else SpecConfig(None, gamma, source)
 
 
+def costs_at(costs: dict, tokens: float) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(c, v) at a context of `tokens`: linear between the contexts they were timed at (`costs["at"]`),
+    the nearest one's beyond them; costs timed at one context only are the same at any."""
+    at = costs.get("at") or [costs]
+    lo, hi = at[0], at[-1]
+    if hi["tokens"] <= lo["tokens"]:
+        return lo["c"], lo["v"]
+    w = min(1.0, max(0.0, (tokens - lo["tokens"]) / (hi["tokens"] - lo["tokens"])))
+    c = {k: lo["c"][k] + w * (hi["c"][k] - lo["c"][k]) for k in lo["c"]}
+    v = {k: {g: lo["v"][k][g] + w * (hi["v"][k][g] - lo["v"][k][g]) for g in lo["v"][k]} for k in lo["v"]}
+    return c, v
+
+
 def estimate_buckets(
-    records: list[AcceptanceRecord], c: dict[str, float], v: dict[str, dict[str, float]]
+    records: list[AcceptanceRecord],
+    c: dict[str, float],
+    v: dict[str, dict[str, float]],
+    at: Callable[[float], tuple[dict, dict]] | None = None,
 ) -> list[BucketEstimate]:
     """Groups records by (category, length bucket, temperature), plus 'all' rows across categories
     and lengths, and predicts every (source, γ) per group: E / (γ·c + v) for drafts that run every
     round, and for lookup (which drafts only where it matches, as many tokens as its match gives) and
     the hybrid (lookup where the whole n-gram recurs, else its quantized copy, hybrid.FALLBACK) the
-    ratio of mean tokens to mean cost over the rounds a decode makes (walk)."""
+    ratio of mean tokens to mean cost over the rounds a decode makes (walk). `at(tokens)`: the (c, v)
+    of a group whose decoding runs at a mean context of `tokens` (its prompts plus half their
+    continuations), else c and v for every group."""
     groups: dict[tuple, list[AcceptanceRecord]] = {}
     for r in records:
         for cat in (r.category, "all"):
@@ -263,32 +281,44 @@ def estimate_buckets(
     out = []
     for (cat, lb, t), recs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         weights = [len(next(iter(r.accept.values()))) for r in recs]
-        total = sum(weights)
-        alpha, tpr, speed = {}, {}, {}
-        for n in (n for n in c if n != "lookup"):
-            alpha[n] = sum(sum(r.accept[n]) for r in recs) / total if total else 0.0
-            tpr[n], speed[n] = {}, {}
-            for g in gammas:
-                e = (
-                    sum(w * tokens_per_round(r.accept[n], int(g)) for r, w in zip(recs, weights)) / total
-                    if total
-                    else 1.0
-                )
-                tpr[n][g] = e
-                speed[n][g] = e / (int(g) * c[n] + v[n][g])
-        if "lookup" in c and all(r.lookup for r in recs):
-            for name, other in (("lookup", None), ("hybrid", fallback)):
-                if name == "hybrid" and (other is None or not all(r.hybrid for r in recs)):
-                    continue
-                tpr[name], speed[name] = {}, {}
-                runs = [r.lookup if name == "lookup" else r.hybrid for r in recs]
-                for g in gammas:
-                    tokens, cost = _mixed_rounds(recs, runs, int(g), c, v, other)
-                    tpr[name][g], speed[name][g] = tokens, tokens / cost
-            drafted = [b for r in recs for run in r.lookup for b in run[:1]]
-            alpha["lookup"] = sum(drafted) / len(drafted) if drafted else 0.0
-        out.append(BucketEstimate(cat, lb, t, total, alpha, tpr, speed))
+        here = at(statistics.fmean(r.prompt_tokens + w / 2 for r, w in zip(recs, weights))) if at else (c, v)
+        out.append(_estimate(cat, lb, t, recs, weights, *here, gammas, fallback))
     return out
+
+
+def _estimate(
+    cat: str,
+    lb: str,
+    t: float,
+    recs: list[AcceptanceRecord],
+    weights: list[int],
+    c: dict[str, float],
+    v: dict[str, dict[str, float]],
+    gammas: list[str],
+    fallback: str | None,
+) -> BucketEstimate:
+    """One group's estimate (estimate_buckets) with its costs c and v; weights: each record's positions."""
+    total = sum(weights)
+    alpha, tpr, speed = {}, {}, {}
+    for n in (n for n in c if n != "lookup"):
+        alpha[n] = sum(sum(r.accept[n]) for r in recs) / total if total else 0.0
+        tpr[n], speed[n] = {}, {}
+        for g in gammas:
+            e = sum(w * tokens_per_round(r.accept[n], int(g)) for r, w in zip(recs, weights)) / total if total else 1.0
+            tpr[n][g] = e
+            speed[n][g] = e / (int(g) * c[n] + v[n][g])
+    if "lookup" in c and all(r.lookup for r in recs):
+        for name, other in (("lookup", None), ("hybrid", fallback)):
+            if name == "hybrid" and (other is None or not all(r.hybrid for r in recs)):
+                continue
+            tpr[name], speed[name] = {}, {}
+            runs = [r.lookup if name == "lookup" else r.hybrid for r in recs]
+            for g in gammas:
+                tokens, cost = _mixed_rounds(recs, runs, int(g), c, v, other)
+                tpr[name][g], speed[name][g] = tokens, tokens / cost
+        drafted = [b for r in recs for run in r.lookup for b in run[:1]]
+        alpha["lookup"] = sum(drafted) / len(drafted) if drafted else 0.0
+    return BucketEstimate(cat, lb, t, total, alpha, tpr, speed)
 
 
 def _mixed_rounds(
@@ -373,11 +403,24 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
     costs = done.pop("__costs__", None)
     copies = {name: engine.draft_model(name) for name in plan.quantized}
     if costs is None:
-        context = encoded[str(questions[0]["question_id"])]
-        full, c, v = time_costs(
-            model, cache, context, plan.draft_layers, plan.gammas, heads=engine.heads, copies=copies, lookup=plan.lookup
-        )
-        costs = {"full_step_seconds": full, "c": c, "v": v}
+        # At a short prompt's context and at the longest prompt's: a step's attention grows with the
+        # context, and a draft step pays it as a full step does, so c and v differ between the two.
+        short = encoded[str(questions[0]["question_id"])]
+        long = max((encoded[str(q["question_id"])] for q in questions), key=len)
+        at = []
+        for context in [short, long] if len(long) >= 2 * len(short) else [short]:
+            full, c, v = time_costs(
+                model,
+                cache,
+                context,
+                plan.draft_layers,
+                plan.gammas,
+                heads=engine.heads,
+                copies=copies,
+                lookup=plan.lookup,
+            )
+            at.append({"tokens": len(context), "full_step_seconds": full, "c": c, "v": v})
+        costs = {**at[0], "at": at}
         _append_partial(partial_path, {"__costs__": costs})
     c, v = costs["c"], costs["v"]
     records = []
@@ -406,7 +449,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
                     bar.update(1)
     if bar:
         bar.close()
-    estimates = estimate_buckets(records, c, v)
+    estimates = estimate_buckets(records, c, v, lambda tokens: costs_at(costs, tokens))
     validation = _validate(engine, questions, estimates, plan)
     profile = _profile(engine, plan, costs, records, estimates, validation)
     overall = _overall(estimates, min(plan.temperatures))
@@ -634,6 +677,9 @@ def _profile(engine, plan, costs, records, estimates, validation):
         draft_layers=list(plan.draft_layers),
         draft_cost=costs["c"],
         verify_cost=costs["v"],
+        cost_contexts=[
+            {"tokens": a["tokens"], "draft_cost": a["c"], "verify_cost": a["v"]} for a in costs.get("at", [])
+        ],
         buckets=buckets,
         knee=knee({n: a for n, a in t0.alpha.items() if n.isdigit()}),
         best_draft_layers=best,

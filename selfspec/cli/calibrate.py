@@ -187,6 +187,9 @@ def _body(args) -> int:
         f"acceptance knee at N={profile.knee}; best exit depth N={profile.best_draft_layers}; "
         f"speculation off above T={profile.temperature_threshold:g}"
     )
+    for at in profile.cost_contexts:
+        costs = ", ".join(f"{n} {c:.3f}" for n, c in at["draft_cost"].items())
+        print(f"  costs at a {at['tokens']}-token context: c {costs}")
     for e in summary["sources"]:
         print(
             f"  all prompts/T={e['temperature']:g} {e['source']}: best gamma={e['gamma']}, "

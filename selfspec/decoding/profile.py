@@ -68,6 +68,9 @@ class Profile:
     skipped_prompts: list[str] = field(default_factory=list)  # longer than the model's context allows
     draft_heads: dict = field(default_factory=dict)  # N -> the draft head calibrated there, α with and without it
     prompts: list[str] = field(default_factory=list)  # question ids calibrated on
+    # draft_cost and verify_cost as timed at each context (tokens); a bucket's estimate reads them at its
+    # own mean context (draft_cost, verify_cost: the first, a short prompt's)
+    cost_contexts: list[dict] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     def to_json(self) -> str:
