@@ -407,7 +407,7 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
         # context, and a draft step pays it as a full step does, so c and v differ between the two.
         short = encoded[str(questions[0]["question_id"])]
         long = max((encoded[str(q["question_id"])] for q in questions), key=len)
-        at = []
+        timed = []
         for context in [short, long] if len(long) >= 2 * len(short) else [short]:
             full, c, v = time_costs(
                 model,
@@ -419,8 +419,8 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
                 copies=copies,
                 lookup=plan.lookup,
             )
-            at.append({"tokens": len(context), "full_step_seconds": full, "c": c, "v": v})
-        costs = {**at[0], "at": at}
+            timed.append({"tokens": len(context), "full_step_seconds": full, "c": c, "v": v})
+        costs = {**timed[0], "at": timed}
         _append_partial(partial_path, {"__costs__": costs})
     c, v = costs["c"], costs["v"]
     records = []
