@@ -1213,8 +1213,8 @@ static inline __attribute__((always_inline)) __m256i dot32(const __m256i *c, con
     if (!plus128) { /* q4: codes 0..15 times |x| <= 127 sum to at most 16 * 15 * 127 = 30480 per 16-bit lane
                      * over a block, so the block is summed in int16 and widened once (the same integers:
                      * benchmarks/linears.c mode 2, EPYC Zen 3, three runs alternating: 4 / 8 rows 7.6-9.2 /
-                     * 13.7-18.3 ms against 10.0-11.4 / 19.7-20.7 ms widening every product pair; 1 row 4.9 ms
-                     * either way) */
+                     * 13.7-18.3 ms against 10.0-11.4 / 19.7-20.7 ms widening every product pair; 1 row
+                     * 4.8-5.0 against 4.9-5.7 ms) */
         __m256i a = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(xq[0]));
         __m256i b = _mm256_maddubs_epi16(c[1], _mm256_set1_epi32(xq[1]));
         for (int j = 2; j < 8; j += 2) {
