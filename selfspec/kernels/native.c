@@ -415,8 +415,8 @@ static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t d
 /* q . key for 8 keys at once (lane l: keys[l]); each lane is summed by one fixed tree, the same for
  * every lane, so a score does not depend on which 8 keys it was computed with. dim % 8 == 0. Each key
  * sums its products in two chains (even and odd vectors of the key), and four keys' chains advance
- * together: one key's chain alone waits on the FMA latency at every step (a 1-row step's attention at a
- * 1000-token context spent ~3/4 of its time in these scores), eight independent chains do not. The
+ * together: one key's chain alone waits on the FMA latency at every step, eight independent chains do
+ * not (a 1-row step's attention at a 1000-token context, 1 thread, AMD EPYC: 3.14-3.20 -> 2.81-2.83 ms). The
  * operations of each key are the same in either order, so are its bits. */
 static inline __attribute__((always_inline)) v8 dot8(const float *q, const float *const *keys, int64_t dim) {
     v8 s[LANES];
