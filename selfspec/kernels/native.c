@@ -290,8 +290,7 @@ static inline __attribute__((always_inline)) void weigh(const float *p, int64_t 
     for (int64_t k = 0; k < n; k++) {
         v8 w = splat8(p[k]);
         for (int64_t i = 0; i < vectors; i++)
-            a[i] = fma8(a[i], w,
-                        bf ? load_bf16((const uint16_t *)v[k] + i * LANES) : load8((const float *)v[k] + i * LANES));
+            a[i] = fma8(a[i], w, get8(v[k], i * LANES, bf));
     }
     memcpy(acc, a, sizeof(float) * (size_t)dim);
 }
@@ -352,8 +351,7 @@ static inline __attribute__((always_inline)) void weigh2(const float *p1, const 
         for (int64_t k = 0; k < n; k++) {
             v8 w1 = splat8(p1[k]), w2 = splat8(p2[k]);
             for (int i = 0; i < 4; i++) {
-                int64_t at = part + i * LANES;
-                v8 x = bf ? load_bf16((const uint16_t *)v[k] + at) : load8((const float *)v[k] + at);
+                v8 x = get8(v[k], part + i * LANES, bf);
                 a[i] = fma8(a[i], w1, x);
                 b[i] = fma8(b[i], w2, x);
             }
@@ -416,8 +414,8 @@ static void rope(void *p, int64_t o, const void *cos, const void *sin, int64_t d
  * every lane, so a score does not depend on which 8 keys it was computed with. dim % 8 == 0. Each key
  * sums its products in two chains (even and odd vectors of the key), and four keys' chains advance
  * together: one key's chain alone waits on the FMA latency at every step, eight independent chains do
- * not (a 1-row step's attention at a 1000-token context, 1 thread, AMD EPYC: 3.14-3.20 -> 2.81-2.83 ms). The
- * operations of each key are the same in either order, so are its bits. */
+ * not (a 1-row step's attention at a 1000-token context, 1 thread, AMD EPYC: 3.14-3.20 -> 2.81-2.83 ms).
+ * The operations of each key are the same in either order, so are its bits. */
 static inline __attribute__((always_inline)) v8 dot8(const float *q, const float *const *keys, int64_t dim) {
     v8 s[LANES];
     for (int l = 0; l < LANES; l += 4) {
