@@ -82,6 +82,44 @@ def test_merged_metrics_label_each_replica_and_sum_them():
     assert samples[("selfspec_router_requests_total", (("replica", "0"), ("route", "affinity")))] == 1.0
 
 
+def test_a_replica_that_answers_its_metrics_is_routed_to_again():
+    """The probe's call to a dead replica may never return (Ray can hold it past the replica's restart):
+    a scrape that the replica answers marks it up anyway."""
+    import asyncio
+
+    from selfspec.serving.gateway import Gateway, ReplicaGone
+
+    class Replica:
+        def __init__(self, dead: bool) -> None:
+            self.dead, self.calls = dead, 0
+
+        async def forward(self, request):
+            raise ReplicaGone("killed")
+            yield  # an async generator, as replicas.py's
+
+        async def metrics(self) -> str:
+            self.calls += 1
+            while self.calls == 1 and self.dead:  # the probe's call: held, cancellation swallowed
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    pass
+            return "selfspec_generation_tokens_total 0.0\n"
+
+    async def scenario() -> tuple[bool, bool]:
+        gateway = Gateway([Replica(dead=False), Replica(dead=True)], room=4)
+        assert await gateway._try(1, None, "affinity") is None  # it died before answering: down, probed
+        await asyncio.sleep(0.05)
+        down_before = gateway.router.down[1]
+        await gateway.metrics()  # replica 1 answers this one
+        down_after = gateway.router.down[1]
+        for probe in list(gateway._probes):
+            probe.cancel()
+        return down_before, down_after
+
+    assert asyncio.run(scenario()) == (True, False)
+
+
 def test_replicas_without_ray_exit_2_naming_the_extra(monkeypatch, capsys):
     import sys
 
