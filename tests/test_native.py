@@ -60,7 +60,7 @@ def decode(
     the last `verify` step inputs: (step logits [steps, vocab], pass logits [verify, vocab], the
     greedy tokens)."""
     model.ops = ops
-    cache = model.new_cache(256, block_size=4)
+    cache = model.new_cache(512, block_size=4)
     other = cache.allocate()
     cache.reserve(other, 0, 9)  # another sequence's blocks first: this one's are not consecutive
     seq = cache.allocate()
@@ -95,11 +95,12 @@ def test_forward_matches_eager_and_rows_are_exact(dtype, family, overrides):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_long_contexts_keep_rows_exact_on_any_thread_count(dtype):
-    """Keys over several of attention's value chunks, and a kv head's query heads split between threads
-    (3 threads, 4 query heads in 2 groups): the steps match eager, a 5-row pass still gives each row its
-    1-row bits, and the thread count changes no bit."""
+    """Keys over several of attention's value chunks and two of its spans (the 5-row pass straddles the
+    span boundary at key 256), and a kv head's query heads split between threads (3 threads, 4 query
+    heads in 2 groups): the steps match eager, a 5-row pass still gives each row its 1-row bits, and the
+    thread count changes no bit."""
     model = tiny(dtype=dtype)
-    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = torch.randint(0, 256, (250,), generator=torch.Generator().manual_seed(3)).tolist()
     threads, runs = torch.get_num_threads(), []
     try:
         for n in (1, 3):
@@ -183,7 +184,7 @@ def test_the_layer_table_follows_a_swapped_linear():
 @torch.inference_mode()
 def test_a_padded_batch_gives_each_row_its_single_sequence_bits():
     model = tiny()
-    cache = model.new_cache(256, block_size=4)
+    cache = model.new_cache(512, block_size=4)
     seqs = [cache.allocate() for _ in range(3)]
     prompts = [list(range(10, 10 + n)) for n in (9, 14, 5)]
     for seq, p in zip(seqs, prompts):
