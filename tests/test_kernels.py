@@ -252,16 +252,26 @@ def test_native_float_panels_take_any_width_and_keep_rows_exact(dtype, kind, mon
     assert torch.allclose(lin(prompt.to(dtype)).float(), prompt.to(dtype).float() @ w.to(dtype).float().t(), atol=1e-2)
 
 
+PROMPT_ROUTES = [(torch.float32, "panels"), (torch.float32, "gemm"), (torch.bfloat16, "panels")]
+PROMPT_ROUTES += [(torch.bfloat16, "bf16_gemm"), (torch.bfloat16, "gemm")]
+
+
 @pytest.mark.skipif(NativeFloat.unavailable(torch.float32) is not None, reason="native.c unavailable")
-@pytest.mark.parametrize("gemm", [True, False])
-def test_native_bfloat16_prompt_takes_either_gemm(gemm, monkeypatch):
-    """A prompt's bfloat16 rows go to torch's bfloat16 GEMM where bf16_gemm timed it faster, else to the
-    float32 one on widened inputs: either way the product of the same bfloat16 weights, rounded once."""
-    monkeypatch.setattr(native_float, "bf16_gemm", lambda: gemm)
+@pytest.mark.parametrize("dtype,route", PROMPT_ROUTES, ids=[f"{str(d)[6:]}-{r}" for d, r in PROMPT_ROUTES])
+def test_a_prompt_takes_the_panels_or_either_gemm(dtype, route, monkeypatch):
+    """A prompt's rows go to native.c's panels or to torch's GEMM, whichever native_prompts timed faster,
+    and bfloat16 ones on the GEMM to torch's bfloat16 GEMM where bf16_gemm timed it faster, else to the
+    float32 one on widened inputs: every way the product of the same weights, rounded once."""
+    monkeypatch.setattr(native_float, "native_prompts", lambda dtype: route == "panels")
+    monkeypatch.setattr(native_float, "bf16_gemm", lambda: route == "bf16_gemm")
+    gemms = []
+    monkeypatch.setattr(NativeFloat, "gemm", lambda self, x, gemm=NativeFloat.gemm: gemms.append(1) or gemm(self, x))
     w, _ = weight(out=250, inn=192, seed=4)
-    lin = NativeFloat(w, None, torch.bfloat16)
-    x = torch.randn(EXACT_ROWS + 5, 192, generator=torch.Generator().manual_seed(6)).bfloat16()
-    ref = x.float() @ w.bfloat16().float().t()
+    lin = NativeFloat(w, None, dtype)
+    x = torch.randn(EXACT_ROWS + 5, 192, generator=torch.Generator().manual_seed(6)).to(dtype)
+    ref = x.float() @ w.to(dtype).float().t()
     y = lin(x)
-    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert y.dtype == dtype and y.shape == ref.shape and len(gemms) == (route != "panels")
     assert ((y.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3).all()
+    lin(x[:EXACT_ROWS])  # a step's rows: the panels whatever a prompt takes
+    assert len(gemms) == (route != "panels")

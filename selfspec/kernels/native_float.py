@@ -37,17 +37,20 @@ class NativeFloat(native.NativeLinear):
         return self.transposed().t().contiguous()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """More than EXACT_ROWS rows (a prompt) go to torch's GEMM, blocked for the caches where
-        linear_dense is built for a step's few rows: a 767-token prompt prefills in 1.7 s instead of 3.8 s
-        (fp32; AMD EPYC with AVX2, 2 threads). bfloat16 takes torch's bfloat16 GEMM where it beats the
-        float32 one here (`bf16_gemm`: 2.3-2.7x faster with AVX512-BF16), else is widened to float32
-        (torch's bf16 GEMM was ~4x slower on the AVX2 EPYC). Not row-exact, which a prompt's pass is not
+        """More than EXACT_ROWS rows (a prompt) take whichever of native.c's panels and torch's GEMM ran a
+        prompt's product faster here (`native_prompts`). Not row-exact, which a prompt's pass is not
         asked to be (base.EXACT_ROWS): plain and speculative decoding share it."""
-        if x.numel() // self.in_features > EXACT_ROWS:
-            if self.dtype == torch.bfloat16 and bf16_gemm():
-                return x.contiguous() @ self.transposed(torch.bfloat16)
-            return (x.to(torch.float32) @ self.transposed()).to(self.dtype)
+        if x.numel() // self.in_features > EXACT_ROWS and not native_prompts(self.dtype):
+            return self.gemm(x)
         return super().matmul(x)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T on torch's GEMM, blocked for the caches. bfloat16 takes torch's bfloat16 GEMM where it
+        beats the float32 one here (`bf16_gemm`: 2.3-2.7x faster with AVX512-BF16), else is widened to
+        float32 (torch's bf16 GEMM was ~4x slower on the AVX2 EPYC)."""
+        if self.dtype == torch.bfloat16 and bf16_gemm():
+            return x.contiguous() @ self.transposed(torch.bfloat16)
+        return (x.to(torch.float32) @ self.transposed()).to(self.dtype)
 
     def transposed(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W.T [in, out] in `dtype`, unpacked (one copy) for a prompt's GEMM: as fast as F.linear on the
@@ -69,6 +72,31 @@ class NativeFloat(native.NativeLinear):
 
 
 @cache
+def native_prompts(dtype: torch.dtype) -> bool:
+    """Whether native.c's panels run a prompt's product (256 x 576 -> 1536) faster than torch's GEMM
+    (with its unpacking of the panels) here, timed once per process and dtype (~0.05 s; bfloat16's first
+    GEMM also times `bf16_gemm`). Whole prefills, AMD EPYC Zen 3 (AVX2), 2 threads, alternating, torch's
+    GEMM against the panels: float32 100 / 200 / 1000 tokens 266-307 / 363-432 / 1825-2247 ms against
+    169-191 / 274-287 / 1640-1788 ms; bfloat16 218-230 / 402-464 / 2098-2283 against 151-161 / 312-340 /
+    1904-2267 ms. Where torch's GEMM has AVX-512 or AMX to run on it may win: timed, not assumed."""
+    g = torch.Generator(device="cpu").manual_seed(0)  # not the global generator a seeded caller may use
+    x = torch.randn(256, 576, generator=g).to(dtype)
+    linear = NativeFloat(torch.randn(1536, 576, generator=g), None, dtype)
+    return _best(lambda: native.NativeLinear.matmul(linear, x)) < _best(lambda: linear.gemm(x))
+
+
+def _best(f) -> float:
+    """The fastest of three timed calls of f (after one untimed)."""
+    f()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@cache
 def bf16_gemm() -> bool:
     """Whether torch's bfloat16 GEMM beats its float32 GEMM (inputs widened first) on a prompt's product
     here, timed once per process (~30 ms): oneDNN runs it on AVX512-BF16 or AMX where the CPU has them,
@@ -77,17 +105,7 @@ def bf16_gemm() -> bool:
     x = torch.randn(256, 576, generator=g, device="cpu")
     w = torch.randn(576, 1536, generator=g, device="cpu")
     xb, wb = x.bfloat16(), w.bfloat16()
-
-    def best(f) -> float:
-        f()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(lambda: xb @ wb) < 0.8 * best(lambda: (xb.float() @ w).bfloat16())
+    return _best(lambda: xb @ wb) < 0.8 * _best(lambda: (xb.float() @ w).bfloat16())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
