@@ -44,11 +44,11 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 8 * 1536; i++) x[i] = (float)(i % 17) * 0.01f;
     float *scale = aligned_alloc(64, sizeof(float) * 49152);
     for (int i = 0; i < 49152; i++) scale[i] = 0.01f;
-    const int ks[] = {1, 2, 4, 5, 6, 8};
-    double best[6];
-    for (int j = 0; j < 6; j++) best[j] = 1e9;
+    const int ks[] = {1, 2, 3, 4, 5, 6, 7, 8};
+    double best[8];
+    for (int j = 0; j < 8; j++) best[j] = 1e9;
     for (int pass = 0; pass < PASSES; pass++)
-        for (int j = 0; j < 6; j++) { /* interleaved, so drift on the machine hits every k alike */
+        for (int j = 0; j < 8; j++) { /* interleaved, so drift on the machine hits every k alike */
             double t = seconds();
             for (int l = 0; l < LINEARS; l++)
                 if (mode < 2) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
@@ -63,7 +63,7 @@ int main(int argc, char **argv) {
             if (t < best[j]) best[j] = t;
         }
     printf("%s weights, %d threads:", mode == 2 ? "int4 (int8 head)" : mode == 3 ? "bfloat16 pairs" : bf ? "bfloat16" : "float32", threads);
-    for (int j = 0; j < 6; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
+    for (int j = 0; j < 8; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
     printf("\n");
     return 0;
 }

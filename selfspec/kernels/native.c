@@ -1032,12 +1032,17 @@ enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS }; /* the weight layouts the schedu
                              : panel_tile(xr, wp, yr, in, out, cols, np, n, 0))
 
 /* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
- * panels): groups of 1-4 panels split over the threads (4 for one row, 2 for 2-3, else 1), each
- * group's rows in tiles of up to TILE_ROWS. */
+ * panels): groups of 1-4 panels split over the threads (4 for one row, 2 for 2-3 rows or for 2 of
+ * bfloat16 on AVX2, else 1), each group's rows in tiles of up to TILE_ROWS. */
 static inline __attribute__((always_inline)) void over_panels(const float *x, const uint16_t *xb, const void *w,
                                                               float *y, int64_t rows, int64_t in, int64_t out,
                                                               int layout, int threads) {
-    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= 3 ? 2 : 1;
+    /* Without AVX-512, 2 bfloat16 panels by 3 rows need 12 accumulators, 4 widened weight halves and a
+     * broadcast: more than the 16 registers, so that tile spilled; 3 such rows take one panel at a time.
+     * benchmarks/linears.c mode 1 (AMD EPYC Zen 3, three runs alternating): 3 rows 11.1-11.4 -> 7.9-9.0
+     * ms, 1.31-1.58x -> 1.06-1.13x of one row (float32 weights are FMA memory operands and keep 2). */
+    int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 2 : 3; /* the most rows 2 panels take */
+    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= paired ? 2 : 1;
     size_t bytes = (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2); /* one panel */
     (void)xb;
 #pragma omp parallel for schedule(static) num_threads(threads)
