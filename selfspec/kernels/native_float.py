@@ -80,8 +80,8 @@ def native_prompts(dtype: torch.dtype) -> bool:
     169-191 / 274-287 / 1640-1788 ms; bfloat16 218-230 / 402-464 / 2098-2283 against 151-161 / 312-340 /
     1904-2267 ms. Where torch's GEMM has AVX-512 or AMX to run on it may win: timed, not assumed."""
     g = torch.Generator(device="cpu").manual_seed(0)  # not the global generator a seeded caller may use
-    x = torch.randn(256, 576, generator=g).to(dtype)
-    linear = NativeFloat(torch.randn(1536, 576, generator=g), None, dtype)
+    x = torch.randn(256, 576, generator=g, device="cpu").to(dtype)
+    linear = NativeFloat(torch.randn(1536, 576, generator=g, device="cpu"), None, dtype)
     return _best(lambda: native.NativeLinear.matmul(linear, x)) < _best(lambda: linear.gemm(x))
 
 
