@@ -106,6 +106,25 @@ def test_requests_with_different_drafters_verify_in_one_pass(tiny_engine, monkey
         tiny_engine.release(r)
 
 
+def test_a_batched_round_caps_the_policys_gamma_not_the_requests(tiny_engine, monkeypatch):
+    """Where the policy chose γ (each bucket's, for a request alone), a batch of speculating requests
+    drafts at most the γ calibration measured batches at (SpecPolicy.batch_gamma); a γ the request
+    asked for is kept; one request alone keeps its own."""
+    monkeypatch.setattr(tiny_engine.policy, "batch_gamma", lambda n: 2 if n > 1 else None)
+    prompts = ["hello hello hello", "The quick brown fox jumps over the quick brown", "1 2 3 4 1 2 3"]
+    reqs = [tiny_engine.add_request(tiny_engine.encode(p), GREEDY, SpecConfig(None, 5, "int4")) for p in prompts]
+    reqs[0].own_gamma = reqs[1].own_gamma = True  # as the policy's "auto" decisions are marked
+    seen, real = [], tiny_engine._round
+    monkeypatch.setattr(tiny_engine, "_round", lambda g, d, gammas: seen.append(gammas) or real(g, d, gammas))
+    for _ in range(3):
+        tiny_engine.step_batch(reqs)  # the first step is plain (0 drafts); then 3 drafting rows
+    assert seen[1:] == [[2, 2, 5], [2, 2, 5]]
+    tiny_engine.step_batch(reqs[:1])  # alone: the policy's own γ
+    assert seen[-1] == [5]
+    for r in reqs:
+        tiny_engine.release(r)
+
+
 # ---- greedy: every drafter's output equals plain decoding ---------------------------------------------
 
 

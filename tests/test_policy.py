@@ -5,6 +5,8 @@ import pytest
 from selfspec.decoding import profile as profile_module
 from selfspec.decoding.policy import SpecOverride, SpecPolicy
 from selfspec.decoding.profile import PROFILE_VERSION, BucketChoice, Profile, length_bucket, shipped_profile
+from selfspec.decoding.round import SpecConfig
+from selfspec.decoding.sampling import SamplingParams
 from selfspec.errors import SelfspecError
 from selfspec.kernels.choice import machine_key
 
@@ -151,3 +153,16 @@ def test_override_picks_the_drafter():
     assert d.config is not None and d.config.drafter == "exit" and d.reason.startswith("on: requested")
     with pytest.raises(ValueError, match="drafter='lookahead' is invalid"):
         SpecOverride(drafter="lookahead")
+
+
+def test_batched_rounds_take_the_gamma_calibration_measured_batches_at():
+    measured = [
+        {"batch_size": b, "drafter": "hybrid", "gamma": g, "measured_speedup": 1.1} for b, g in ((2, 3), (4, 5))
+    ]
+    policy = SpecPolicy(synthetic_profile(batching=measured))
+    assert [policy.batch_gamma(n) for n in (1, 2, 3, 4, 8)] == [None, 3, 5, 5, 5]
+    assert SpecPolicy(synthetic_profile()).batch_gamma(4) is None and SpecPolicy(None).batch_gamma(4) is None
+    args = dict(num_layers=30, prompt_tokens=100, params=SamplingParams(temperature=0.0))
+    assert policy.resolve("auto", **args).own_gamma  # the bucket's γ: a batch may cap it
+    assert not policy.resolve(SpecOverride(num_speculative_tokens=4), **args).own_gamma  # the request's: kept
+    assert not policy.resolve(SpecConfig(10, 4), **args).own_gamma

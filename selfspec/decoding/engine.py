@@ -204,6 +204,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             spec_config=config,
             confidence_threshold=decision.confidence_threshold,
+            own_gamma=decision.own_gamma,
             stats=DecodeStats(
                 prompt_tokens=len(prompt_ids),
                 spec=spec_stats,
@@ -233,10 +234,14 @@ class Engine:
             if not req.prefilled:
                 self.prefill(req)
         groups: dict[Drafter | None, list[tuple[int, int]]] = {}  # drafter -> [(request index, γ_b)]
+        drafting = [speculate and r.spec_config is not None and r.stats.steps > 0 and r.remaining > 1 for r in reqs]
+        cap = self.policy.batch_gamma(sum(drafting))  # None alone, or where calibration measured no batch
         for i, req in enumerate(reqs):
             config = req.spec_config
-            if speculate and config is not None and req.stats.steps > 0 and req.remaining > 1:
+            if drafting[i]:
                 gamma = min(config.num_speculative_tokens, req.remaining - 1)
+                if cap is not None and req.own_gamma:
+                    gamma = min(gamma, cap)
                 groups.setdefault(self.drafter(config), []).append((i, gamma))
             else:
                 groups.setdefault(None, []).append((i, 0))

@@ -4,7 +4,7 @@ the request's stats report as `spec_policy`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .profile import Profile, machine_differences
 from .round import EXIT_DRAFTERS, SpecConfig
@@ -42,6 +42,7 @@ class PolicyDecision:
     config: SpecConfig | None  # None: plain decoding
     reason: str
     confidence_threshold: float = 0.0  # adaptive draft stop (0 = draft all γ tokens)
+    own_gamma: bool = False  # γ is the policy's (not the request's): batched rounds may cap it (batch_gamma)
 
 
 class SpecPolicy:
@@ -102,7 +103,19 @@ class SpecPolicy:
         )
         if decision.config is not None:
             decision.config.check(num_layers)
+            if speculation.num_speculative_tokens is None:
+                decision = replace(decision, own_gamma=True)
         return decision
+
+    def batch_gamma(self, batch_size: int) -> int | None:
+        """The γ calibration measured batches of `batch_size` speculating requests at (the profile's
+        `batching`: the smallest measured batch at least this large), or None when it measured none.
+        Each bucket's γ was chosen for a request alone; a batch's verification pays for its rows' γ
+        together (fp32 serving, 4 clients: the buckets' own γ 5-8 gave 93.8 tok/s, γ 5 for all 118.8)."""
+        if self.profile is None or batch_size < 2:
+            return None
+        measured = sorted((b["batch_size"], b["gamma"]) for b in self.profile.batching if b.get("gamma"))
+        return next((g for size, g in measured if size >= batch_size), measured[-1][1] if measured else None)
 
     def decide(
         self,
