@@ -113,7 +113,7 @@ def test_a_batched_round_caps_the_policys_gamma_not_the_requests(tiny_engine, mo
     monkeypatch.setattr(tiny_engine.policy, "batch_gamma", lambda n: 2 if n > 1 else None)
     prompts = ["hello hello hello", "The quick brown fox jumps over the quick brown", "1 2 3 4 1 2 3"]
     reqs = [tiny_engine.add_request(tiny_engine.encode(p), GREEDY, SpecConfig(None, 5, "int4")) for p in prompts]
-    reqs[0].own_gamma = reqs[1].own_gamma = True  # as the policy's "auto" decisions are marked
+    reqs[0].policy_gamma = reqs[1].policy_gamma = True  # as the policy's "auto" decisions are marked
     seen, real = [], tiny_engine._round
     monkeypatch.setattr(tiny_engine, "_round", lambda g, d, gammas: seen.append(gammas) or real(g, d, gammas))
     for _ in range(3):

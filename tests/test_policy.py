@@ -163,6 +163,6 @@ def test_batched_rounds_take_the_gamma_calibration_measured_batches_at():
     assert [policy.batch_gamma(n) for n in (1, 2, 3, 4, 8)] == [None, 3, 5, 5, 5]
     assert SpecPolicy(synthetic_profile()).batch_gamma(4) is None and SpecPolicy(None).batch_gamma(4) is None
     args = dict(num_layers=30, prompt_tokens=100, params=SamplingParams(temperature=0.0))
-    assert policy.resolve("auto", **args).own_gamma  # the bucket's γ: a batch may cap it
-    assert not policy.resolve(SpecOverride(num_speculative_tokens=4), **args).own_gamma  # the request's: kept
-    assert not policy.resolve(SpecConfig(10, 4), **args).own_gamma
+    assert policy.resolve("auto", **args).policy_gamma  # the bucket's γ: a batch may cap it
+    assert not policy.resolve(SpecOverride(num_speculative_tokens=4), **args).policy_gamma  # the request's: kept
+    assert not policy.resolve(SpecConfig(10, 4), **args).policy_gamma

@@ -204,7 +204,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             spec_config=config,
             confidence_threshold=decision.confidence_threshold,
-            own_gamma=decision.own_gamma,
+            policy_gamma=decision.policy_gamma,
             stats=DecodeStats(
                 prompt_tokens=len(prompt_ids),
                 spec=spec_stats,
@@ -240,7 +240,7 @@ class Engine:
             config = req.spec_config
             if drafting[i]:
                 gamma = min(config.num_speculative_tokens, req.remaining - 1)
-                if cap is not None and req.own_gamma:
+                if cap is not None and req.policy_gamma:
                     gamma = min(gamma, cap)
                 groups.setdefault(self.drafter(config), []).append((i, gamma))
             else:

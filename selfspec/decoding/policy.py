@@ -42,7 +42,7 @@ class PolicyDecision:
     config: SpecConfig | None  # None: plain decoding
     reason: str
     confidence_threshold: float = 0.0  # adaptive draft stop (0 = draft all γ tokens)
-    own_gamma: bool = False  # γ is the policy's (not the request's): batched rounds may cap it (batch_gamma)
+    policy_gamma: bool = False  # γ is the policy's (not the request's): batched rounds may cap it (batch_gamma)
 
 
 class SpecPolicy:
@@ -104,7 +104,7 @@ class SpecPolicy:
         if decision.config is not None:
             decision.config.check(num_layers)
             if speculation.num_speculative_tokens is None:
-                decision = replace(decision, own_gamma=True)
+                decision = replace(decision, policy_gamma=True)
         return decision
 
     def batch_gamma(self, batch_size: int) -> int | None:

@@ -61,7 +61,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     spec_config: SpecConfig | None = None  # None: plain decoding
     confidence_threshold: float = 0.0  # adaptive draft stop
-    own_gamma: bool = False  # its γ is the policy's: a batched round may cap it (SpecPolicy.batch_gamma)
+    policy_gamma: bool = False  # its γ is the policy's: a batched round may cap it (SpecPolicy.batch_gamma)
     prefilled: bool = False
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
