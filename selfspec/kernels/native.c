@@ -749,12 +749,15 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
      * 1000-token context (AMD EPYC Zen 3, 2 threads, before / after alternating twice), what is not the
      * linears of a step: int4 draft 1 row 3.07 / 2.66 -> 2.33 / 2.42 ms, 5 rows 7.96 / 7.00 -> 6.81 /
      * 6.77 ms; float32 1 row 3.35 / 3.32 -> 2.95 / 3.07 ms, 5 rows 7.12 / 6.93 -> 6.30 / 6.56 ms. */
-    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(2 * batch)), *parts_at = spans + batch, cost = 0, entries = 0;
+    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(2 * batch)), *parts_at = spans + batch;
+    int64_t cost = 0, entries = 0, queries = 0;
     for (int64_t b = 0; b < batch; b++) {
-        spans[b] = num_tokens[b] ? (hi[b] - 1) / SPAN - lo[b] / SPAN + 1 : 0;
+        int64_t n = heads * num_tokens[b]; /* the sequence's queries */
+        spans[b] = n ? (hi[b] - 1) / SPAN - lo[b] / SPAN + 1 : 0;
         parts_at[b] = entries;
-        entries += heads * num_tokens[b] * spans[b];
-        cost += group * num_tokens[b] * kv_heads * (hi[b] > lo[b] ? hi[b] - lo[b] : 0);
+        entries += n * spans[b];
+        cost += n ? n * (hi[b] - lo[b]) : 0;
+        queries += n;
     }
     int64_t pstride = dim + 2; /* a partial: the weighted sum [dim], the top score, the sum of exps */
     float *partial = malloc(sizeof(float) * (size_t)(entries * pstride));
@@ -787,8 +790,6 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
 #pragma omp barrier
         /* the merge, queries split evenly: out = sum_s acc_s w_s / sum_s total_s w_s, w_s = exp(top_s -
          * top), top the largest top_s (w = 1 exactly there, so one span's result is acc / total) */
-        int64_t queries = 0;
-        for (int64_t b = 0; b < batch; b++) queries += heads * num_tokens[b];
         int64_t q0 = queries * part / parts, q1 = queries * (part + 1) / parts, base = 0;
         for (int64_t b = 0; b < batch; base += heads * num_tokens[b], b++) {
             int64_t m = num_tokens[b], per = group * m, n = spans[b];
@@ -796,8 +797,9 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
                 int64_t g = (u - base) / per, i = (u - base) % per;
                 const float *e = partial + (parts_at[b] + (g * per + i) * n) * pstride;
                 float top = -INFINITY, w[n];
-                for (int64_t s = 0; s < n; s++) top = e[s * pstride + dim] > top ? e[s * pstride + dim] : top;
-                for (int64_t s = 0; s < n; s++) w[s] = e[s * pstride + dim] == top ? 1.0f : expf(e[s * pstride + dim] - top);
+                for (int64_t s = 0; s < n; s++) w[s] = e[s * pstride + dim]; /* the span's top score */
+                for (int64_t s = 0; s < n; s++) top = w[s] > top ? w[s] : top;
+                for (int64_t s = 0; s < n; s++) w[s] = w[s] == top ? 1.0f : expf(w[s] - top);
                 float total = e[dim + 1] * w[0];
                 for (int64_t s = 1; s < n; s++) total += e[s * pstride + dim + 1] * w[s];
                 int64_t head = g * group + i / m, at = (b * seq_len + i % m) * heads * dim + head * dim;
