@@ -1059,8 +1059,11 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
     /* Without AVX-512, 2 bfloat16 panels by 3 rows need 12 accumulators, 4 widened weight halves and a
      * broadcast: more than the 16 registers, so that tile spilled; 3 such rows take one panel at a time.
      * benchmarks/linears.c mode 1 (AMD EPYC Zen 3, three runs alternating): 3 rows 11.1-11.4 -> 7.9-9.0
-     * ms, 1.31-1.58x -> 1.06-1.13x of one row (float32 weights are FMA memory operands and keep 2). */
-    int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 2 : 3; /* the most rows 2 panels take */
+     * ms, 1.31-1.58x -> 1.06-1.13x of one row. 2 rows too: benchmarks/step.py (the default model in
+     * bfloat16, 78-token context, two runs each) 12.4-12.7 -> 9.6-10.4 ms of linears against 10.0 for one
+     * row; linears.c 9.6-10.4 -> 8.9-9.3 ms. Float32 weights are FMA memory operands and keep 2 panels for
+     * up to 3 rows (1 panel: 2 / 3 rows 18.8 / 19.6-21.4 ms against 16.9-19.6 / 14.6-19.8 in step.py). */
+    int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 1 : 3; /* the most rows 2 panels take */
     int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= paired ? 2 : 1;
     size_t bytes = (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2); /* one panel */
     int64_t tiles = 0; /* per panel; past one (then span is 1), each tile prefetches its share of the next */
