@@ -84,14 +84,17 @@ def test_validation_times_decoding_not_the_prompt():
 )
 def test_batch_limit_stops_at_the_first_batch_size_that_does_not_pay(monkeypatch, speedups, limit, timed):
     """Never / partly / always paying: the limit is the largest size before the first below 1.0x, and
-    no size above that one is timed. Stub timings: plain 1 s, speculative 1 / speedup."""
+    no size above that one is timed. Stub timings: plain 1 s, speculative 1 / speedup at γ 3 and slower
+    at the smaller γ batch_limit also tries."""
     from selfspec.calibration import calibrate as calibration
 
     calls = []
 
     def seconds(engine, batch, params, spec, speculate):
-        calls.append((len(batch), speculate))
-        return 1.0 / speedups[len(batch)] if speculate else 1.0
+        calls.append((len(batch), speculate and spec.num_speculative_tokens))
+        if not speculate:
+            return 1.0
+        return (1.0 if spec.num_speculative_tokens == 3 else 1.1) / speedups[len(batch)]
 
     monkeypatch.setattr(calibration, "_batch_seconds", seconds)
     engine = SimpleNamespace(cache=SimpleNamespace(capacity_tokens=10_000))
@@ -101,13 +104,35 @@ def test_batch_limit_stops_at_the_first_batch_size_that_does_not_pay(monkeypatch
     )
     assert got == limit and [r["batch_size"] for r in rows] == timed
     assert [r["measured_speedup"] for r in rows] == pytest.approx([speedups[b] for b in timed])
-    assert sorted(calls) == sorted((b, s) for b in timed for s in (False, True))
+    assert all(r["gamma"] == 3 and set(r["by_gamma"]) == {"2", "3"} for r in rows)
+    assert sorted(calls) == sorted((b, s) for b in timed for s in (False, 2, 3))
     # a size whose requests would not fit the cache is not measured, nor any above it
     engine.cache.capacity_tokens = 3 * (20 + 64 + 3 + 2)  # room for 3 requests: batches of 2 only
     got, rows = batch_limit(
         engine, prompts, SpecConfig(num_speculative_tokens=3, drafter="int4"), CalibrationPlan([], [3], [0.0])
     )
     assert [r["batch_size"] for r in rows] == [2] and got == (2 if speedups[2] >= 1.0 else 1)
+
+
+def test_batch_limit_keeps_each_size_at_its_best_gamma(monkeypatch):
+    """A batch of 4 that pays only at a smaller γ than a request alone's best: that size is kept, at that
+    γ (the γ policy.batch_gamma caps its batches at), and a size paying at no γ ends the limit."""
+    from selfspec.calibration import calibrate as calibration
+
+    speedup = {(2, 2): 1.3, (2, 4): 1.5, (2, 8): 1.6, (4, 2): 1.2, (4, 4): 1.25, (4, 8): 0.9}
+    speedup |= {(8, 2): 0.9, (8, 4): 0.8, (8, 8): 0.6}
+
+    def seconds(engine, batch, params, spec, speculate):
+        return 1.0 / speedup[len(batch), spec.num_speculative_tokens] if speculate else 1.0
+
+    monkeypatch.setattr(calibration, "_batch_seconds", seconds)
+    engine = SimpleNamespace(cache=SimpleNamespace(capacity_tokens=10_000))
+    got, rows = batch_limit(
+        engine, [[1] * 20], SpecConfig(num_speculative_tokens=8, drafter="int4"), CalibrationPlan([], [8], [0.0])
+    )
+    assert got == 4
+    assert [(r["batch_size"], r["gamma"]) for r in rows] == [(2, 8), (4, 4), (8, 2)]
+    assert rows[1]["by_gamma"] == pytest.approx({"2": 1.2, "4": 1.25, "8": 0.9})
 
 
 def test_confidence_threshold_drops_unprofitable_drafts():

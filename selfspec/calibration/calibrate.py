@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -574,40 +574,50 @@ def _validate(engine, questions, estimates: list[BucketEstimate], plan: Calibrat
 
 
 BATCH_SIZES = (2, 4, 8)  # the batch sizes batch_limit times
+BATCH_GAMMAS = (2, 4)  # the γ batch_limit also tries below a request alone's best (a batch verifies B * (γ + 1) rows)
 SHORT_PROMPT = 256  # tokens: batch_limit's prompts, a chat turn's length rather than a document's
 
 
 def batch_limit(engine, encoded: list[list[int]], spec: SpecConfig, plan: CalibrationPlan) -> tuple[int, list[dict]]:
     """-> (the profile's max_batch_size, the measurements). B requests stepped together, continuous
-    batching's unit (engine.step_batch), speculative with `spec` against plain, in alternating order,
-    on their decoding time. A batch of plain steps already uses the compute a single stream leaves
-    idle, so the gain of speculation shrinks with B (a 2-core Xeon served 1.4-1.5x at 2 clients and
-    0.9-1.0x at 4). The limit is the largest size before the first one measured below 1.0x; a size
-    whose requests would not fit the engine's cache is not measured, and neither is any above it.
-    `encoded`: the calibration prompts' token ids; the batches take the short ones."""
+    batching's unit (engine.step_batch), speculative with `spec`'s drafter against plain, in alternating
+    order, on their decoding time, at `spec`'s γ (a request alone's best) and at each smaller one of
+    BATCH_GAMMAS: a batch's verification pays for every row's γ + 1 tokens together, so its best γ is
+    often smaller (the fp32 Zen 3 profile: 4 requests at γ 8 1.05x, at γ 5 1.34x in the calibration
+    before). Each size keeps its best γ (what policy.batch_gamma caps a batch at). A batch of plain
+    steps already uses the compute a single stream leaves idle, so the gain of speculation shrinks with
+    B (a 2-core Xeon served 1.4-1.5x at 2 clients and 0.9-1.0x at 4). The limit is the largest size
+    before the first one whose best is below 1.0x; a size whose requests would not fit the engine's
+    cache is not measured, and neither is any above it. `encoded`: the calibration prompts' token ids;
+    the batches take the short ones."""
     prompts = [ids for ids in encoded if len(ids) <= SHORT_PROMPT] or encoded[:1]
     params = SamplingParams(
         temperature=min(plan.temperatures), max_tokens=plan.new_tokens, ignore_eos=True, seed=plan.seed
     )
+    top = spec.num_speculative_tokens
+    gammas = sorted({g for g in BATCH_GAMMAS if g < top} | {top})
     limit, out = 1, []
     for i, size in enumerate(BATCH_SIZES):
         batch = [prompts[j % len(prompts)] for j in range(size)]
-        need = sum(len(ids) + params.max_tokens + spec.num_speculative_tokens + 2 for ids in batch)
+        need = sum(len(ids) + params.max_tokens + top + 2 for ids in batch)
         if need > engine.cache.capacity_tokens:
             break
+        runs = [None, *(replace(spec, num_speculative_tokens=g) for g in gammas)]  # None: plain
         seconds = {}
-        for speculate in (False, True) if i % 2 == 0 else (True, False):
-            seconds[speculate] = _batch_seconds(engine, batch, params, spec, speculate)
-        ratio = seconds[False] / seconds[True]
+        for run in runs if i % 2 == 0 else runs[::-1]:
+            seconds[run] = _batch_seconds(engine, batch, params, run or spec, run is not None)
+        ratios = {run.num_speculative_tokens: seconds[None] / seconds[run] for run in runs[1:]}
+        gamma = max(ratios, key=ratios.get)
         out.append(
             {
                 "batch_size": size,
                 "drafter": spec.drafter,
-                "gamma": spec.num_speculative_tokens,
-                "measured_speedup": ratio,
+                "gamma": gamma,
+                "measured_speedup": ratios[gamma],
+                "by_gamma": {str(g): r for g, r in ratios.items()},
             }
         )
-        if ratio < 1.0:
+        if ratios[gamma] < 1.0:
             break
         limit = size
     return limit, out

@@ -201,7 +201,11 @@ def _body(args) -> int:
             f"predicted {v['predicted_speedup']:.2f}x, measured {v['measured_speedup']:.2f}x"
         )
     for b in profile.batching:
-        print(f"  batch of {b['batch_size']}, {b['drafter']} gamma={b['gamma']}: measured {b['measured_speedup']:.2f}x")
+        tried = ", ".join(f"gamma={g} {r:.2f}x" for g, r in b.get("by_gamma", {}).items())
+        print(
+            f"  batch of {b['batch_size']}, {b['drafter']} gamma={b['gamma']}: measured {b['measured_speedup']:.2f}x"
+            + (f" (tried {tried})" if tried else "")
+        )
     print(f"speculation on for batches of up to {profile.max_batch_size} requests")
     for p in plots:
         print(f"plot: {p}")
