@@ -862,9 +862,10 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *pan
  * the memory would idle through them (a 1-row tile's two accumulators wait on the FMA latency); so every
  * tile of such a panel also fetches 1/T of the thread's next panel (T tiles; `next` already offset by this
  * tile's share, `step` its bytes per panel row in 16.16 fixed point) and the memory streams through all
- * of them. benchmarks/linears.c (AMD EPYC Zen 3, AVX2, 2 threads; alternating, seven runs): float32
- * 7 / 8 rows 21.8-24.6 / 22.2-25.8 ms -> 19.6-23.4 / 19.6-23.1 ms (k = 1: 14-18 ms either way); bfloat16
- * 7 / 8 rows 14.4-15.7 / 15.1-15.6 -> 14.0-14.1 / 14.2-14.6 ms. Into L2 only (prefetcht1) was no better. */
+ * of them. benchmarks/linears.c (AMD EPYC Zen 3, AVX2, 2 threads; alternating, six runs each): float32
+ * 7 / 8 rows 21.7-24.6 / 21.8-25.8 ms -> 19.0-23.4 / 19.0-23.1 ms (k = 1: 14-18 ms either way); bfloat16
+ * 7 / 8 rows 14.4-15.7 / 15.1-15.6 -> 14.0-14.1 / 14.2-14.6 ms (three runs). Into L2 only (prefetcht1) was
+ * no better. */
 static inline __attribute__((always_inline)) void prefetch_next(const char *next, int64_t i, int64_t step) {
     if (next) __builtin_prefetch(next + ((i * step) >> 16), 0, 3);
 }
