@@ -583,13 +583,13 @@ def batch_limit(engine, encoded: list[list[int]], spec: SpecConfig, plan: Calibr
     batching's unit (engine.step_batch), speculative with `spec`'s drafter against plain, in alternating
     order, on their decoding time, at `spec`'s γ (a request alone's best) and at each smaller one of
     BATCH_GAMMAS: a batch's verification pays for every row's γ + 1 tokens together, so its best γ is
-    often smaller (the fp32 Zen 3 profile: 4 requests at γ 8 1.05x, at γ 5 1.34x in the calibration
-    before). Each size keeps its best γ (what policy.batch_gamma caps a batch at). A batch of plain
-    steps already uses the compute a single stream leaves idle, so the gain of speculation shrinks with
-    B (a 2-core Xeon served 1.4-1.5x at 2 clients and 0.9-1.0x at 4). The limit is the largest size
-    before the first one whose best is below 1.0x; a size whose requests would not fit the engine's
-    cache is not measured, and neither is any above it. `encoded`: the calibration prompts' token ids;
-    the batches take the short ones."""
+    often smaller (fp32 on an AMD EPYC Zen 3: 4 requests at γ 8 1.00x, at γ 2 1.30x). Each size keeps
+    its best γ (what policy.batch_gamma caps a batch at). A batch of plain steps already uses the
+    compute a single stream leaves idle, so the gain of speculation shrinks with B (a 2-core Xeon
+    served 1.4-1.5x at 2 clients and 0.9-1.0x at 4). The limit is the largest size before the first
+    one whose best is below 1.0x; a size whose requests would not fit the engine's cache is not
+    measured, and neither is any above it. `encoded`: the calibration prompts' token ids; the batches
+    take the short ones."""
     prompts = [ids for ids in encoded if len(ids) <= SHORT_PROMPT] or encoded[:1]
     params = SamplingParams(
         temperature=min(plan.temperatures), max_tokens=plan.new_tokens, ignore_eos=True, seed=plan.seed

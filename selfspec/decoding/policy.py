@@ -108,8 +108,8 @@ class SpecPolicy:
         return decision
 
     def batch_gamma(self, batch_size: int) -> int | None:
-        """The γ calibration measured batches of `batch_size` speculating requests at (the profile's
-        `batching`: the smallest measured batch at least this large), or None when it measured none.
+        """The best γ calibration measured for batches of `batch_size` speculating requests (the
+        profile's `batching`: the smallest measured batch at least this large), or None when it measured none.
         Each bucket's γ was chosen for a request alone; a batch's verification pays for its rows' γ
         together (fp32 serving, 4 clients: the buckets' own γ 5-8 gave 93.8 tok/s, γ 5 for all 118.8)."""
         if self.profile is None or batch_size < 2:

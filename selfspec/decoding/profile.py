@@ -62,7 +62,7 @@ class Profile:
     temperature_threshold: float  # above it speculation is off
     min_max_tokens: int = 16  # requests asking for fewer tokens run plain
     max_batch_size: int = 8  # above it speculation is off (compute is no longer idle); calibration measures it
-    batching: list[dict] = field(default_factory=list)  # batch size -> speculative / plain, measured (batch_limit)
+    batching: list[dict] = field(default_factory=list)  # batch size -> its best γ and speculative / plain (batch_limit)
     confidence_threshold: float = 0.0  # adaptive draft stop: end a draft when its top probability falls below
     validation: list[dict] = field(default_factory=list)  # decoding-time measurements behind the choices
     skipped_prompts: list[str] = field(default_factory=list)  # longer than the model's context allows
