@@ -866,6 +866,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const char *pan
  * 7 / 8 rows 21.7-24.6 / 21.8-25.8 ms -> 19.0-23.4 / 19.0-23.1 ms (k = 1: 14-18 ms either way); bfloat16
  * 7 / 8 rows 14.4-15.7 / 15.1-15.6 -> 14.0-14.1 / 14.2-14.6 ms (three runs). Into L2 only (prefetcht1) was
  * no better. */
+#define STREAM_TILES 4 /* up to 24 rows without AVX-512, 32 with it: verifications, not prompts (over_panels) */
 static inline __attribute__((always_inline)) void prefetch_next(const char *next, int64_t i, int64_t step) {
     if (next) __builtin_prefetch(next + ((i * step) >> 16), 0, 3);
 }
@@ -1067,9 +1068,14 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
     int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 1 : 3; /* the most rows 2 panels take */
     int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= paired ? 2 : 1;
     size_t bytes = (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2); /* one panel */
-    int64_t tiles = 0; /* per panel; past one (then span is 1), each tile prefetches its share of the next */
+    /* Tiles per panel. From 2 to STREAM_TILES (then span is 1) each prefetches its share of the next panel.
+     * A prompt's many tiles per panel are compute-bound and gain nothing from it: with it, a 600-token fp32
+     * prefill took 1093-1167 ms against 963-1018 without in one reading (best of 5, alternating twice); a
+     * C harness of 512-row linears could not tell them apart from the VM's noise (95-120 ms either way). */
+    int64_t tiles = 0;
     for (int64_t r = 0; r < rows; tiles++) r += layout_rows(rows - r, layout == PANELS_F32);
-    int64_t step = tiles > 1 ? (int64_t)((bytes / (size_t)in) << 16) / tiles : 0;
+    int stream = tiles > 1 && tiles <= STREAM_TILES;
+    int64_t step = stream ? (int64_t)((bytes / (size_t)in) << 16) / tiles : 0;
     (void)xb;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < (panels + span - 1) / span; g++)
@@ -1077,7 +1083,7 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
             int np = panels - p >= span ? (int)span : 1; /* a short last group: one panel at a time */
             const void *wp = (const char *)w + p * bytes;
             int64_t cols = out - p * PANEL;
-            const char *following = tiles > 1 && p + 1 < panels ? (const char *)wp + bytes : NULL;
+            const char *following = stream && p + 1 < panels ? (const char *)wp + bytes : NULL;
             for (int64_t r = 0, t = 0; r < rows; t++) {
                 int n = layout_rows(rows - r, layout == PANELS_F32);
                 const float *xr = x + r * in;
