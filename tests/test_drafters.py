@@ -11,9 +11,10 @@ from selfspec.decoding.drafter import Draft, Drafter, ExitDrafter
 from selfspec.decoding.hybrid import HybridDrafter
 from selfspec.decoding.lookup import LookupDrafter, match
 from selfspec.decoding.mixed import MixedDrafter
-from selfspec.decoding.quantized import QuantizedDrafter, share_embeddings
+from selfspec.decoding.quantized import SHORTLIST, QuantizedDrafter, Shortlist, share_embeddings
 from selfspec.decoding.round import RoundInput, speculative_round
-from selfspec.kernels.choice import plan
+from selfspec.kernels import native
+from selfspec.kernels.choice import QUANTIZED, plan
 from selfspec.model.config import ModelConfig
 from selfspec.model.decoder import build_model
 
@@ -151,6 +152,30 @@ def test_quantized_draft_reports_its_memory_and_depth(tiny_engine):
     assert full.draft.embed_weight is tiny_engine.model.embed_weight  # only the linears are added
     r = tiny_engine.generate("abc abc abc", GREEDY, speculation=SpecConfig(2, 3, "int4"))
     assert r.stats.spec.draft_layers == 2 and r.stats.spec.rounds > 0
+
+
+@torch.inference_mode()
+def test_the_quantized_draft_shortlists_a_4_bit_head(tiny_engine, monkeypatch):
+    """The draft's head scores the vocabulary in 4 bits and rescores the SHORTLIST highest from the float
+    head: there its scores are the float head's, elsewhere the 4-bit ones; the same without native.c
+    (torch's topk and bmm); and it reads fewer bytes than an int8 head of the same weight."""
+    draft = tiny_engine.drafter(SpecConfig(None, 4, "int4")).draft
+    head = draft.head
+    assert (
+        isinstance(head, Shortlist) and tiny_engine.drafter(SpecConfig(None, 4, "int4")).describe()["head"] == head.name
+    )
+    x = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0))
+    coarse, scores = head.coarse.matmul(x).float(), head.matmul(x)  # [3, vocab] each
+    exact = x @ tiny_engine.model.head_weight.float().t()
+    top = coarse.topk(SHORTLIST, -1).indices
+    kept = torch.ones_like(coarse, dtype=torch.bool).scatter_(-1, top, False)
+    assert torch.allclose(scores.gather(-1, top), exact.gather(-1, top), rtol=1e-4, atol=1e-4)
+    assert torch.equal(scores[kept], coarse[kept])
+    assert not torch.allclose(coarse.gather(-1, top), exact.gather(-1, top), rtol=1e-4, atol=1e-4)  # 4 bits differ
+    int8 = next(b for b in QUANTIZED["int8"] if b.unavailable(torch.float32) is None)
+    assert head.nbytes < int8(tiny_engine.model.head_weight, None, torch.float32).nbytes
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert torch.allclose(head.matmul(x), scores, rtol=1e-4, atol=1e-4)
 
 
 # ---- a small-vocabulary model, its int4 copy and the exact joint distribution ---------------------------

@@ -256,3 +256,41 @@ def test_int8_activation_kernels_compute_the_quantized_product(name, out):
     y = lin(x)
     assert float((y.double() - expected).abs().max() / expected.abs().max()) < 1e-5
     assert float((y.double() - x.double() @ lin.dequantized().double().t()).abs().max()) > 1e-4  # it did quantize
+
+
+def test_argmax_is_torchs_with_ties_infinities_and_nan():
+    g = torch.Generator().manual_seed(3)
+    for n in (3, 8, 17, 40, 1000, 49151):
+        x = torch.randn(6, n, generator=g)
+        x[1] = x[1].round()  # ties: the first of equal maxima
+        x[2] = float("-inf")
+        x[3, n // 2] = float("inf")
+        x[4, n - 1] = float("nan")  # NaN wins, as in torch
+        x[5, [0, n // 3]] = float("nan")
+        assert torch.equal(native.library().argmax(x), x.argmax(-1)), n
+
+
+def test_the_shortlist_rescores_exactly_the_k_highest():
+    """Each row's k highest scores (ties: the lower index) are replaced by x @ weight[i] at their indices
+    i, and every other score is left as it was; float32 and bfloat16 weights."""
+    g = torch.Generator().manual_seed(4)
+    for n, k, dtype in (
+        (49152, 32, torch.float32),
+        (1000, 8, torch.bfloat16),
+        (33, 33, torch.float32),
+        (70, 5, torch.float32),
+    ):
+        coarse = torch.randn(3, n, generator=g)
+        coarse[1] = coarse[1].round()  # ties
+        coarse[2, 7] = float("nan")  # never shortlisted
+        weight, x = torch.randn(n, 40, generator=g).to(dtype), torch.randn(3, 40, generator=g)
+        scores = coarse.clone()
+        native.library().shortlist(scores, k, x, weight)
+        exact = x @ weight.float().t()  # [3, n]
+        for r in range(3):
+            c = coarse[r].nan_to_num(nan=-float("inf"))
+            order = sorted(range(n), key=lambda i: (-float(c[i]), i))[:k]  # the k highest, lower index first
+            rest = torch.ones(n, dtype=torch.bool)
+            rest[order] = False
+            assert torch.allclose(scores[r, order], exact[r, order], rtol=1e-5, atol=1e-5), (n, r)
+            assert torch.equal(scores[r, rest].nan_to_num(), coarse[r, rest].nan_to_num()), (n, r)

@@ -25,7 +25,7 @@ from ..decoding.hybrid import FALLBACK
 from ..decoding.lookup import match
 from ..decoding.profile import BucketChoice, Profile, length_bucket
 from ..decoding.round import SpecConfig
-from ..decoding.sampling import SamplingParams, make_generator
+from ..decoding.sampling import SamplingParams, argmax, make_generator
 from ..errors import SelfspecError
 from ..kernels.choice import machine_key
 from ..model.cache import PagedKVCache
@@ -190,16 +190,16 @@ def time_costs(
             b = cache.prepare([seq], [tokens])
             h = net.forward(torch.full((1, tokens), 17), cache, start=start, end=end, batch=b)
             if net is not model:
-                return net.logits(h).argmax(-1)
+                return argmax(net.logits(h))
             if head and end in (heads or {}):
-                return heads[end].draft(h, b, cache).argmax(-1)
-            return model.logits(h).argmax(-1) if head else h
+                return argmax(heads[end].draft(h, b, cache))
+            return argmax(model.logits(h)) if head else h
 
         def verify(n: int, gamma: int) -> None:
             forward(1, 0, n, head=False)  # the last draft token's pass through [0, N)
             x = torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype)
             h = model.forward(x, cache, [seq], start=n, starts=[base])
-            model.logits(h).argmax(-1)
+            argmax(model.logits(h))
 
         once(step)  # warm-up
         full = statistics.median(once(step) for _ in range(repeats))

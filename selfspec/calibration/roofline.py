@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..decoding.sampling import argmax
 from ..kernels import native
 from ..model.decoder import DecoderModel, LayerWeights
 
@@ -100,7 +101,7 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
 
     def forward(k: int) -> None:
         h = model.forward(torch.full((1, k), 7), cache, [seq])
-        model.logits(h).argmax(-1)
+        argmax(model.logits(h))
         cache.truncate(seq, context)
 
     times = {k: _median_time(lambda: forward(k), repeats) for k in range(1, max_k + 1)}

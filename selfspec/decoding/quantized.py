@@ -5,12 +5,19 @@ own weights over [last, d_1 .. d_γ] from layer 0 and overwrites every one of th
 a length edit and the draft never changes output. A 4-bit GGUF drafts with the file's own codes.
 
 The draft copy shares the target's embeddings and norms; its linears are what it adds to memory
-(`describe()["memory_mb"]`)."""
+(`describe()["memory_mb"]`). Its LM head is a `Shortlist`: the head in 4 bits scores the vocabulary and
+the best few scores are recomputed from the target's own float head rows."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
+from ..kernels import native
+from ..kernels.base import Linear
+from ..kernels.choice import QUANTIZED
+from ..kernels.native import NativeLinear
 from ..model.cache import PagedKVCache
 from ..model.decoder import DecoderModel
 from .drafter import Draft, Drafter, autoregress
@@ -31,6 +38,7 @@ class QuantizedDrafter(Drafter):
             "draft_layers": self.draft_layers,
             "backend": self.draft.kernels.backend,
             "memory_mb": round(self.memory_bytes / 2**20, 1),
+            "head": self.draft.head.name,
         }
 
     @property
@@ -44,12 +52,69 @@ class QuantizedDrafter(Drafter):
         return Draft(run.tokens, run.probs)  # resume = 0: the target recomputes (and rewrites) every layer
 
 
+# Shortlisted tokens per draft position. Teacher-forced on the default model's own greedy answers to 24
+# dev prompts (1152 positions, int4 layers): the draft's top-1 agreed with the target's at 0.9826 with an
+# int8 head and 0.9896 with the exact float head, and a shortlist of 8 or more picks exactly the float
+# head's token at every position; at T = 0.7 the expected acceptance sum(min(p, q)) was 0.9762 (int8),
+# 0.9813 (float), 0.9720 / 0.9764 / 0.9785 / 0.9797 with 8 / 16 / 32 / 64 shortlisted.
+SHORTLIST = 32
+
+
+class Shortlist(Linear):
+    """The draft's LM head: the head's weight in 4 bits (`coarse`) scores the whole vocabulary, and the
+    `k` highest scores are replaced by the exact ones, recomputed from the float head rows (`weight`, the
+    target's). A greedy draft then picks the float head's token wherever it is among the coarse top k
+    (at every position measured); a sampled one draws from these scores, which is all the acceptance
+    rule needs (q is whatever the draft sampled from). It reads ~60 % of an int8 head's bytes (the
+    default model's 49152 x 576 head: 17.7 against 28.5 MB, ~0.45 against ~0.9 ms a step here)."""
+
+    name = "shortlist"
+    row_exact = False  # a draft's scores need not be (verification decides every token)
+
+    def __init__(self, coarse: Linear, weight: torch.Tensor, k: int = SHORTLIST) -> None:
+        super().__init__(coarse.out_features, coarse.in_features, None, coarse.dtype, coarse.device)
+        self.coarse, self.weight, self.k = coarse, weight, min(k, coarse.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.coarse.nbytes  # and k rows of the float weight, shared with the target
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, vocab] float32 whatever the activations (DecoderModel.logits wants float32:
+        rounding 49152 scores to bfloat16 and widening them back cost ~0.1 ms a step)."""
+        coarse = self.coarse
+        if isinstance(coarse, NativeLinear):  # the kernel's own float32 output
+            xf = x.to(torch.float32).contiguous()
+            y = xf.new_empty(xf.shape[0], self.out_features)  # [rows, vocab] the 4-bit scores
+            coarse.kernel(xf, y, xf.shape[0], torch.get_num_threads())
+        else:
+            y = coarse.matmul(x).float()
+        lib = native.library() if y.device.type == "cpu" else None
+        if lib is not None:  # one C call
+            lib.shortlist(y, self.k, x, self.weight)
+            return y
+        idx = y.topk(self.k, -1).indices  # [rows, k]
+        exact = torch.bmm(self.weight[idx], x.to(self.weight.dtype).unsqueeze(-1)).squeeze(-1)  # [rows, k]
+        return y.scatter_(-1, idx, exact.float())
+
+
+def shortlist(model: DecoderModel, weight: torch.Tensor) -> Linear:
+    """A Shortlist over `weight` [vocab, hidden] on the fastest int4 backend available here (the model's
+    own head where there is none)."""
+    backend = next((b for b in QUANTIZED["int4"] if b.unavailable(model.dtype, model.device) is None), None)
+    if backend is None or weight.shape[1] % 32:
+        return model.head
+    return Shortlist(backend(weight, None, model.dtype), weight)
+
+
 def share_embeddings(draft: DecoderModel, target: DecoderModel) -> DecoderModel:
     """Points the draft at the target's embedding, norm and RoPE tensors (they are identical: only
-    linears are quantized), so the copy costs only its linears."""
+    linears are quantized), so the copy costs only its linears; its head becomes a Shortlist over the
+    target's float head."""
     draft.embed_weight = target.embed_weight
     draft.norm_weight = target.norm_weight
-    draft.head_weight = target.head_weight  # the float tensor only; the draft's head linear is its own
+    draft.head_weight = target.head_weight
+    draft.head = shortlist(draft, target.head_weight)
     draft.rope = draft.ops.rope = target.rope
     for mine, theirs in zip(draft.layers, target.layers):
         mine.attn_norm, mine.mlp_norm = theirs.attn_norm, theirs.mlp_norm

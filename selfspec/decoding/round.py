@@ -17,7 +17,7 @@ from ..model.cache import PagedKVCache, SequenceKV
 from ..model.decoder import DecoderModel
 from .acceptance import AcceptanceResult, greedy_accept, rejection_sample
 from .drafter import Drafter
-from .sampling import Penalties, SamplingParams, TokenLogprob, process_rows, sample_rows, token_logprobs
+from .sampling import Penalties, SamplingParams, TokenLogprob, argmax, process_rows, sample_rows, token_logprobs
 
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -179,7 +179,7 @@ def _accept(
     padded = [d + [0] * (width - len(d)) for d in drafts]
     draft_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(rows, width)  # [B, γ_max], padded with 0
     if all(p.greedy for p in params):
-        return greedy_accept(draft_ids, target_logits.argmax(-1), caps)
+        return greedy_accept(draft_ids, argmax(target_logits), caps)
     q = torch.zeros(rows, width, vocab, device=dev)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
     for b, d in enumerate(drafts):
         for i, t in enumerate(d):

@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from ..kernels import native
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -163,9 +165,16 @@ def sample_rows(
     """logits [B, vocab], one SamplingParams and generator per row -> (token ids [B], probabilities
     [B, vocab] or None when every row is greedy). Greedy rows get the one-hot of their argmax."""
     if all(p.greedy for p in params):
-        return logits.argmax(-1), None
+        return argmax(logits), None
     probs = process_rows(logits, params)
     return inverse_cdf(probs, uniforms(len(generators), 1, generators, probs.device)[:, 0]), probs
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., vocab] -> [...] int64, torch.argmax(logits, -1) (native.c's where it runs: ~9 against
+    ~55 us for 49152 float32 logits here, and a greedy draft step takes one)."""
+    lib = native.library() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    return logits.argmax(-1) if lib is None else lib.argmax(logits.contiguous())
 
 
 def process_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -109,7 +109,10 @@ class Native:
         info = ctypes.POINTER(PassInfo)
         lib.attend_pass.argtypes = [info, p, p, i, i, p]
         lib.layers.argtypes = [info, p, i, p, i, p, p, p, p]  # the arrays by address: callers start mid-array
+        lib.shortlist.argtypes = [p, i, i, i, p, i, p, ctypes.c_int]
+        lib.argmax_rows.argtypes = [p, i, i, p]
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
+        fns += (lib.shortlist, lib.argmax_rows)
         for fn in fns:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2 and F16C)
@@ -151,6 +154,21 @@ class Native:
         out = gate_up.new_empty(*gate_up.shape[:-1], n)
         rows, bf = gate_up.numel() // (2 * n), DTYPES[gate_up.dtype]
         self.lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, bf, torch.get_num_threads())
+        return out
+
+    def shortlist(self, scores: torch.Tensor, k: int, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """scores [rows, n] float32: each row's k highest (k <= n) replaced in place by the exact x [rows, in]
+        @ weight[i] (weight [n, in] float32 or bfloat16) at their indices i."""
+        rows, n = scores.shape
+        x = x.to(torch.float32).contiguous()
+        bf = DTYPES[weight.dtype]
+        self.lib.shortlist(scores.data_ptr(), rows, n, k, x.data_ptr(), x.shape[-1], weight.data_ptr(), bf)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., n] float32 on the CPU, contiguous -> [...] int64, as torch.argmax(x, -1)."""
+        n = x.shape[-1]
+        out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
+        self.lib.argmax_rows(x.data_ptr(), x.numel() // n, n, out.data_ptr())
         return out
 
 
