@@ -1684,7 +1684,8 @@ void layers(const pass_info *P, const layer_spec *L, int64_t count, void *const 
 
 /* ---- the vocabulary: a shortlist (the quantized draft's LM head, decoding/quantized.py) and argmax -------
  * shortlist: scores [rows, n] float32, each row's k highest replaced by exact ones, the dot products of the
- * row's x [rows, in] with the float weight's rows [n, in] (float32 or, bf, bfloat16) at those indices. Ties
+ * row's x [rows, in] with the float weight's rows [n, in] (float32 or, bf, bfloat16) at those indices,
+ * rounded to bfloat16 where the weight is, as the target's own logits are (its ties then break alike). Ties
  * keep the lower index; NaN is shortlisted only where fewer than k scores are numbers. One call (~15 us for
  * 49152 scores from Python) where torch's topk, gather, bmm and scatter took ~0.2 ms a draft step. */
 static void keep_best(float *best, int64_t *at, int64_t held, float value, int64_t index) {
@@ -1749,7 +1750,7 @@ void shortlist(float *scores, int64_t rows, int64_t n, int64_t k, const float *x
             for (; i + LANES <= in; i += LANES) acc = fma8(acc, load8(xr + i), get8(weight, o + i, bf));
             float sum = sum8(acc);
             for (; i < in; i++) sum += xr[i] * get(weight, o + i, bf);
-            scores[r * n + at[j]] = sum;
+            scores[r * n + at[j]] = round_as(sum, bf);
         }
     }
     free(at);
