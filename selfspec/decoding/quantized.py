@@ -52,11 +52,11 @@ class QuantizedDrafter(Drafter):
         return Draft(run.tokens, run.probs)  # resume = 0: the target recomputes (and rewrites) every layer
 
 
-# Shortlisted tokens per draft position. Teacher-forced on the default model's own greedy answers to 24
-# dev prompts (1152 positions, int4 layers): the draft's top-1 agreed with the target's at 0.9826 with an
-# int8 head and 0.9896 with the exact float head, and a shortlist of 8 or more picks exactly the float
-# head's token at every position; at T = 0.7 the expected acceptance sum(min(p, q)) was 0.9762 (int8),
-# 0.9813 (float), 0.9720 / 0.9764 / 0.9785 / 0.9797 with 8 / 16 / 32 / 64 shortlisted.
+# Shortlisted tokens per draft position. benchmarks/shortlist.py (the default model in float32, 1152
+# teacher-forced positions of its own greedy answers to 24 dev prompts, int4 layers): the draft's top-1
+# agreed with the target's at 0.9797 with an int8 head, 0.9848 with the float head itself and 0.9848 with
+# a shortlist of 8 or more (the float head's token at every position); at T = 0.7 the expected acceptance
+# sum(min(p, q)) was 0.9767 (int8), 0.9805 (float), 0.9742 / 0.9772 / 0.9787 / 0.9795 with 8 / 16 / 32 / 64.
 SHORTLIST = 32
 
 
@@ -66,7 +66,8 @@ class Shortlist(Linear):
     target's). A greedy draft then picks the float head's token wherever it is among the coarse top k
     (at every position measured); a sampled one draws from these scores, which is all the acceptance
     rule needs (q is whatever the draft sampled from). It reads ~60 % of an int8 head's bytes (the
-    default model's 49152 x 576 head: 17.7 against 28.5 MB, ~0.45 against ~0.9 ms a step here)."""
+    default model's 49152 x 576 head: 17.7 against 28.5 MB), and a draft token took 0.91-0.96x the time
+    it took with the int8 head (benchmarks/shortlist.py, AMD EPYC Zen 3)."""
 
     name = "shortlist"
     row_exact = False  # a draft's scores need not be (verification decides every token)
