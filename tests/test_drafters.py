@@ -164,6 +164,7 @@ def test_the_quantized_draft_shortlists_a_4_bit_head(tiny_engine, monkeypatch):
     assert (
         isinstance(head, Shortlist) and tiny_engine.drafter(SpecConfig(None, 4, "int4")).describe()["head"] == head.name
     )
+    assert head.weight is tiny_engine.model.head_weight  # the target's float rows, not a copy
     x = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0))
     coarse, scores = head.coarse.matmul(x).float(), head.matmul(x)  # [3, vocab] each
     exact = x @ tiny_engine.model.head_weight.float().t()

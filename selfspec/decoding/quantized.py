@@ -99,23 +99,22 @@ class Shortlist(Linear):
         return y.scatter_(-1, idx, exact.float())
 
 
-def shortlist(model: DecoderModel, weight: torch.Tensor) -> Linear:
-    """A Shortlist over `weight` [vocab, hidden] on the fastest int4 backend available here (the model's
-    own head where there is none)."""
-    backend = next((b for b in QUANTIZED["int4"] if b.unavailable(model.dtype, model.device) is None), None)
+def shortlist(weight: torch.Tensor) -> Shortlist | None:
+    """A Shortlist over the float head `weight` [vocab, hidden] (its activations' dtype and device) on the
+    fastest int4 backend available there; None where there is none."""
+    backend = next((b for b in QUANTIZED["int4"] if b.unavailable(weight.dtype, weight.device) is None), None)
     if backend is None or weight.shape[1] % 32:
-        return model.head
-    return Shortlist(backend(weight, None, model.dtype), weight)
+        return None
+    return Shortlist(backend(weight, None, weight.dtype), weight)
 
 
 def share_embeddings(draft: DecoderModel, target: DecoderModel) -> DecoderModel:
     """Points the draft at the target's embedding, norm and RoPE tensors (they are identical: only
-    linears are quantized), so the copy costs only its linears; its head becomes a Shortlist over the
-    target's float head."""
+    linears are quantized), so the copy costs only its linears (and its head: the Shortlist the
+    engine loads it with)."""
     draft.embed_weight = target.embed_weight
     draft.norm_weight = target.norm_weight
     draft.head_weight = target.head_weight
-    draft.head = shortlist(draft, target.head_weight)
     draft.rope = draft.ops.rope = target.rope
     for mine, theirs in zip(draft.layers, target.layers):
         mine.attn_norm, mine.mlp_norm = theirs.attn_norm, theirs.mlp_norm

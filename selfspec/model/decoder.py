@@ -56,6 +56,7 @@ class DecoderModel:
         norm: torch.Tensor,
         head_weight: torch.Tensor,
         kernels: KernelPlan,
+        head: Linear | None = None,
     ) -> None:
         self.config = config
         self.embed_weight = embed  # [vocab, hidden]
@@ -65,7 +66,7 @@ class DecoderModel:
         self.dtype = embed.dtype  # the activations' dtype
         self.device = embed.device  # where every weight, the cache and each forward's tensors live
         self.kernels = kernels  # the weight format and backend of every linear
-        self.head = self.make_linear(head_weight)
+        self.head = head or self.make_linear(head_weight)  # the LM head linear: given, or of the model's format
         self.rope = RopeTable(config.rope, config.head_dim, self.dtype, self.device)
         self.ops, note = make_ops(config, self.rope, self.dtype, self.device)  # the glue between the linears
         if note not in kernels.reasons:
@@ -197,12 +198,14 @@ def build_model(
     kernels: KernelPlan | None = None,
     codes: Callable[[str], Int4Codes | None] | None = None,
     device: torch.device | str = "cpu",
+    head: Linear | None = None,
 ) -> DecoderModel:
     """Builds the model from tensors named as in Hugging Face checkpoints; `get(name)` returns a tensor
     or None when absent. `kernels`: the weight format and backend of the linears (default: the
     dtype's float weights on the best backend for `device`). `codes(name)`: a weight's own 4-bit codes
     (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing. Every tensor is moved
-    to `device` as it is read, so the backends pack (or keep) weights there."""
+    to `device` as it is read, so the backends pack (or keep) weights there. `head`: the LM head's linear
+    where the caller has one (a quantized draft's shortlist: building the model's own costs ~1.5 s here)."""
     device = torch.device(device)
     kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype, device=device)
 
@@ -255,17 +258,18 @@ def build_model(
             )
         )
     embed = need("model.embed_tokens.weight")
-    head = embed if config.tie_word_embeddings else need("lm_head.weight")
-    model = DecoderModel(config, embed, layers, need("model.norm.weight"), head, kernels)
+    head_weight = embed if config.tie_word_embeddings else need("lm_head.weight")
     # choice.py's int8 order, the native kernels first (native8: 1.5 ms against torch's 3.7 ms for this
     # 49152x576 head on an AMD EPYC with AVX2; native8i8 faster still where AVX2 has its dot products).
     int8 = next((b for b in QUANTIZED["int8"] if b.unavailable(dtype, device) is None), None)
-    if own and int8 is not None:
+    if head is None and own and int8 is not None:
         # The 4-bit GGUFs seen keep the embedding / LM head at 6-8 bits: re-quantizing it to int4 costs
         # ~9 % relative error (it decides every token), int8 ~0.5 % for twice int4's bytes of that one weight.
-        model.head = int8(head, None, dtype)
+        head = quantized(int8(head_weight, None, dtype), head_weight, "lm_head.weight")
         kernels.reasons.append(f"the LM head has no 4-bit codes in the checkpoint: int8 per channel ({int8.name})")
-    quantized(model.head, head, "lm_head.weight")
+    elif head is None:
+        head = quantized(make_linear(kernels, head_weight, None, dtype), head_weight, "lm_head.weight")
+    model = DecoderModel(config, embed, layers, need("model.norm.weight"), head_weight, kernels, head)
     if errors:
         worst = max(errors, key=errors.get)
         kernels.reasons.append(

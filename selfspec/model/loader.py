@@ -17,6 +17,7 @@ import torch
 
 from ..device import resolve_device
 from ..errors import ModelLoadError
+from ..kernels.base import Linear
 from ..kernels.cache import cache_root
 from ..kernels.choice import plan
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -105,9 +106,10 @@ def load_weights(
     weights: str = "auto",
     backend: str | None = None,
     device: str | torch.device = "cpu",
+    head: Linear | None = None,
 ) -> DecoderModel:
     """The decoder of checkpoint directory `ckpt` with its linears in format `weights` on `device` (a
-    quantized self-draft loads the same checkpoint a second time this way)."""
+    quantized self-draft loads the same checkpoint a second time this way, with its own `head`)."""
     device = resolve_device(device)
     torch_dtype = parse_dtype(dtype)
     hf_config = json.loads((ckpt / "config.json").read_text())
@@ -121,7 +123,7 @@ def load_weights(
     if kernels.weights == "int4" and source.is_file():
         gguf = Path(json.loads(source.read_text())["gguf"])
         codes = cached_codes(gguf, config, ckpt / "int4-codes.safetensors") if gguf.is_file() else None
-    return build_model(config, get, torch_dtype, kernels, codes, device)
+    return build_model(config, get, torch_dtype, kernels, codes, device, head)
 
 
 def load_tokenizer(ckpt: Path):
