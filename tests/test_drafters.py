@@ -280,6 +280,54 @@ def test_verification_rewrites_the_draft_kv(small):
     assert not torch.allclose(drafted[:, :, :, before.shape[3]], cached_kv(cache, plain)[:, :, :, -1], atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@torch.inference_mode()
+def test_greedy_rows_draft_in_one_native_call(tiny_checkpoint, dtype, monkeypatch):
+    """The quantized draft of greedy rows with one γ runs in one native.c call (ops.Fused.greedy_draft):
+    the tokens, the cache lengths and the draft K/V are those of the step-by-step path, for a lone row and
+    for a batch (a row with γ = 0 drafting nothing); sampled rows or rows of different γ take that path."""
+    from selfspec import Engine
+
+    engine = Engine.from_pretrained(str(tiny_checkpoint), dtype=dtype)
+    drafter, model, cache = engine.drafter(SpecConfig(None, 6, "int4")), engine.model, engine.cache
+    prompts = ("The quick brown fox jumps over", "1 2 3 4 5 6 7", "hello")
+    seqs, lasts = [], []
+    for text in prompts:
+        ids = engine.encode(text, chat=False)
+        seqs.append(cache.allocate())
+        model.prefill(cache, seqs[-1], ids[:-1])
+        lasts.append(ids[-1])
+    starts = [s.length for s in seqs]
+    greedy = SamplingParams(temperature=0)
+    native_draft = drafter.draft.ops.greedy_draft
+    for rows, gammas in (([0], [6]), ([0, 1, 2], [5, 5, 0])):
+        step = RoundInput(
+            [seqs[r] for r in rows], [lasts[r] for r in rows], [greedy] * len(rows), [None] * len(rows), gammas, drafter
+        )
+        calls = []
+        monkeypatch.setattr(drafter.draft.ops, "greedy_draft", lambda *a: calls.append(a) or native_draft(*a))
+        fast = drafter.propose(model, cache, step)
+        lengths, kv = [seqs[r].length for r in rows], [cached_kv(cache, seqs[r]) for r in rows]
+        assert (
+            len(calls) == 1
+            and [len(t) for t in fast.tokens] == gammas
+            and lengths == [starts[r] + g for r, g in zip(rows, gammas)]
+        )
+        for r in rows:
+            cache.truncate(seqs[r], starts[r])
+        monkeypatch.setattr(QuantizedDrafter, "_greedy", lambda *a: None)
+        slow = drafter.propose(model, cache, step)
+        assert fast.tokens == slow.tokens and fast.probs == slow.probs
+        assert [seqs[r].length for r in rows] == lengths
+        assert all(torch.equal(a, cached_kv(cache, seqs[r])) for a, r in zip(kv, rows))
+        for r in rows:
+            cache.truncate(seqs[r], starts[r])
+        monkeypatch.undo()
+    sampled = RoundInput(seqs[:1], lasts[:1], [SamplingParams(temperature=0.7)], [None], [6], drafter)
+    uneven = RoundInput(seqs[:2], lasts[:2], [greedy] * 2, [None] * 2, [6, 5], drafter)
+    assert drafter._greedy(cache, sampled) is None and drafter._greedy(cache, uneven) is None
+
+
 def test_lookup_acceptance_replays_what_lookup_would_draft():
     """Calibration's replay of lookup over a teacher-forced continuation (T = 0: p is the argmax)."""
     from selfspec.calibration.calibrate import lookup_acceptance

@@ -48,8 +48,50 @@ class QuantizedDrafter(Drafter):
 
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
         n, draft = self.draft_layers, self.draft
+        fast = self._greedy(cache, step)
+        if fast is not None:
+            return fast
         run = autoregress(draft, cache, step, n, lambda h, batch: draft.logits(h[:, -1]))
         return Draft(run.tokens, run.probs)  # resume = 0: the target recomputes (and rewrites) every layer
+
+    def _greedy(self, cache: PagedKVCache, step: RoundInput) -> Draft | None:
+        """Greedy rows drafting the same γ, in one native call (ops.Fused.greedy_draft): the tokens
+        autoregress would draft (the same kernels in the same order) without its Python and tensor
+        bookkeeping, ~0.4-0.6 ms of a ~4 ms draft token here. Rows with γ = 0 (the hybrid's looked-up
+        ones) draft nothing. None where that path does not apply: sampling, penalties, a confidence
+        threshold, rows of different γ, or a head or layer off native.c."""
+        draft, head = self.draft, self.draft.head
+        if not all(p.greedy for p in step.params) or step.penalties is not None or step.confidence_threshold > 0:
+            return None
+        if not hasattr(draft.ops, "greedy_draft") or not isinstance(head, Shortlist):
+            return None
+        if not isinstance(head.coarse, NativeLinear) or head.coarse.spec is None:
+            return None
+        if head.weight.dtype != draft.dtype:  # native.c reads the float rows in the activations' dtype
+            return None
+        active = [b for b, g in enumerate(step.gammas) if g > 0]
+        if len({step.gammas[b] for b in active}) > 1:
+            return None
+        tokens: list[list[int]] = [[] for _ in step.seqs]
+        if active:
+            drafted = draft.ops.greedy_draft(
+                draft.layers,
+                self.draft_layers,
+                cache,
+                [step.seqs[b] for b in active],
+                [step.last[b] for b in active],
+                step.gammas[active[0]],
+                draft.embed_weight,
+                draft.norm_weight,
+                head.coarse.spec,
+                head.k,
+                head.weight,
+            )
+            if drafted is None:
+                return None
+            for b, row in zip(active, drafted):
+                tokens[b] = row
+        return Draft(tokens, [[] for _ in step.seqs])
 
 
 # Shortlisted tokens per draft position. benchmarks/shortlist.py (the default model in float32, 1152
@@ -84,12 +126,7 @@ class Shortlist(Linear):
         """x [rows, in] -> [rows, vocab] float32 whatever the activations (DecoderModel.logits wants float32:
         rounding 49152 scores to bfloat16 and widening them back cost ~0.1 ms a step)."""
         coarse = self.coarse
-        if isinstance(coarse, NativeLinear):  # the kernel's own float32 output
-            xf = x.to(torch.float32).contiguous()
-            y = xf.new_empty(xf.shape[0], self.out_features)  # [rows, vocab] the 4-bit scores
-            coarse.kernel(xf, y, xf.shape[0], torch.get_num_threads())
-        else:
-            y = coarse.matmul(x).float()
+        y = coarse.matmul_float32(x) if isinstance(coarse, NativeLinear) else coarse.matmul(x).float()  # [rows, vocab]
         lib = native.library() if y.device.type == "cpu" else None
         if lib is not None:  # one C call
             lib.shortlist(y, self.k, x, self.weight)

@@ -1798,3 +1798,43 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
         out[r] = at;
     }
 }
+
+/* ---- a greedy draft in one call ------------------------------------------------------------------------
+ * `steps` draft tokens for each of P->batch sequences from tokens[b] (decoding/quantized.py's fast path):
+ * each step embeds every row's input, runs `count` layers (`layers`), adds the last residual, normalizes,
+ * scores the vocabulary with the shortlisted head (the coarse linear `head`, then `shortlist` with the float
+ * `weight`'s rows) and takes each row's argmax, which is its next input. P describes the whole draft as one
+ * pass of seq_len = steps (positions and write_slots [batch, steps]); step j runs row b's entry j as a pass
+ * of one row per sequence. The calls and their order are the Python path's (decoder.forward,
+ * DecoderModel.logits, Shortlist, sampling.argmax), so the same tokens, without its ~0.4-0.6 ms of Python
+ * and tensor bookkeeping per draft step (~10 % of a draft token here). out: [batch, steps]. */
+void draft_greedy(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots,
+                  const void *embed, const void *norm, const linear_spec *head, int64_t k, const void *weight,
+                  const int64_t *tokens, int64_t *out) {
+    int64_t rows = P->batch, steps = P->seq_len, n = P->hidden, vocab = head->out, elem = P->bf ? 2 : 4;
+    int bf = (int)P->bf, threads = (int)P->threads;
+    char *h = malloc((size_t)(4 * rows * n * elem) + sizeof(float) * (size_t)(rows * (n + vocab)));
+    char *h_out = h + rows * n * elem, *y_out = h_out + rows * n * elem, *x = y_out + rows * n * elem;
+    float *xf = (float *)(x + rows * n * elem), *scores = xf + rows * n;
+    int64_t *meta = malloc(sizeof(int64_t) * (size_t)(4 * rows)), *ones = meta, *pos = ones + rows;
+    int64_t *slot = pos + rows, *next = slot + rows;
+    pass_info Q = *P;
+    Q.num_tokens = ones, Q.seq_len = 1, Q.positions = pos, Q.write_slots = slot;
+    for (int64_t b = 0; b < rows; b++) ones[b] = 1, next[b] = tokens[b];
+    for (int64_t j = 0; j < steps; j++) {
+        for (int64_t b = 0; b < rows; b++) {
+            pos[b] = P->positions[b * steps + j], slot[b] = P->write_slots[b * steps + j];
+            memcpy(h + b * n * elem, (const char *)embed + next[b] * n * elem, (size_t)(n * elem));
+        }
+        layers(&Q, L, count, kv, slots, h, NULL, h_out, y_out);
+        for (int64_t i = 0; i < rows * n; i++) put(h, i, get(h_out, i, bf) + get(y_out, i, bf), bf); /* h + y */
+        add_norm(h, NULL, NULL, norm, x, rows, n, P->eps, bf, threads);
+        for (int64_t i = 0; i < rows * n; i++) xf[i] = get(x, i, bf);
+        linear_run(head, xf, scores, rows, threads);
+        shortlist(scores, rows, vocab, k, xf, n, weight, bf);
+        argmax_rows(scores, rows, vocab, next);
+        for (int64_t b = 0; b < rows; b++) out[b * steps + j] = next[b];
+    }
+    free(meta);
+    free(h);
+}

@@ -112,7 +112,8 @@ class Native:
         lib.shortlist.argtypes = [p, i, i, i, p, i, p, ctypes.c_int]
         lib.argmax_rows.argtypes = [p, i, i, p]
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
-        fns += (lib.shortlist, lib.argmax_rows)
+        lib.draft_greedy.argtypes = [info, p, i, p, i, p, p, ctypes.POINTER(LinearSpec), i, p, p, p]
+        fns += (lib.shortlist, lib.argmax_rows, lib.draft_greedy)
         for fn in fns:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2 and F16C)
@@ -239,10 +240,15 @@ class NativeLinear(Linear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: the kernels take and give float32 (bfloat16 activations are widened
         here, rounded back after)."""
+        y = self.matmul_float32(x)
+        return y if self.dtype is torch.float32 else y.to(self.dtype)
+
+    def matmul_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] float32: the kernel's own output, not rounded to the activations' dtype."""
         x = x.to(torch.float32).contiguous()
         y = x.new_empty((*x.shape[:-1], self.out_features))
         self.kernel(x, y, x.numel() // self.in_features, torch.get_num_threads())
-        return y if self.dtype is torch.float32 else y.to(self.dtype)
+        return y
 
     @abstractmethod
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..kernels import native
 from ..kernels.base import EXACT_ROWS
 from .attention import AttentionBatch, paged_attention, write_kv
+from .cache import PagedKVCache, SequenceKV
 from .config import ModelConfig
 from .rope import RopeTable, apply_rope_
 
@@ -173,6 +174,49 @@ class Fused(Eager):
             y_out.data_ptr(),
         )
         return h_out, y_out
+
+    def greedy_draft(
+        self,
+        weights: list[LayerWeights],
+        end: int,
+        cache: PagedKVCache,
+        seqs: list[SequenceKV],
+        tokens: list[int],
+        steps: int,
+        embed: torch.Tensor,
+        norm: torch.Tensor,
+        head: native.LinearSpec,
+        k: int,
+        rows: torch.Tensor,
+    ) -> list[list[int]] | None:
+        """`steps` greedy draft tokens for each sequence from its token in `tokens`, in one native.c call
+        (`draft_greedy`): each step runs layers [0, end), the final norm `norm`, the coarse head `head`, the
+        shortlist of its `k` best rescored from the float head `rows`, and argmax; K/V go to the cache as
+        forward's would. None (and the cache as it was) where the layers are not all native."""
+        table = self._layer_table(weights)
+        if table is None or len(seqs) * steps > EXACT_ROWS:
+            return None
+        batch = cache.prepare(seqs, [steps] * len(seqs))  # every step's positions and slots, read one by one
+        state = self.prepare(batch)
+        kv = cache.layers
+        addresses = (ctypes.c_void_p * len(kv))(*(t.data_ptr() for t in kv))
+        first = torch.tensor(tokens, dtype=torch.long, device=embed.device)
+        out = torch.empty(len(seqs), steps, dtype=torch.long, device=embed.device)
+        self.lib.lib.draft_greedy(
+            state.info,
+            ctypes.addressof(table),
+            end,
+            addresses,
+            kv[0].shape[2] * kv[0].shape[3],
+            embed.data_ptr(),
+            norm.data_ptr(),
+            head,
+            k,
+            rows.data_ptr(),
+            first.data_ptr(),
+            out.data_ptr(),
+        )
+        return out.tolist()
 
     def _layer_table(self, weights: list[LayerWeights]) -> ctypes.Array | None:
         """Every layer's native.LayerSpec (None where a linear is not native), built once per model and
