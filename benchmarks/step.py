@@ -1,7 +1,7 @@
 """Where a decoding step's time goes: the linear layers versus everything else (norms, residuals, RoPE,
 KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
 
-    python benchmarks/step.py [--configs float32:auto,float32:int4,bfloat16:auto] [--queries 1,5]
+    python benchmarks/step.py [--configs float32:auto,float32:int4,bfloat16:auto,float32:float32:native] [--queries 1,5]
                               [--ops fused,eager] [--contexts 300] [--steps 40] [--repeats 5]
                               [--threads 2] [--out benchmarks/results/step]
 
@@ -64,8 +64,8 @@ def per_step_ms(step, n: int) -> float:
 def measure(
     config: str, queries: list[int], ops: list[str], contexts: list[int], steps: int, repeats: int
 ) -> list[dict]:
-    dtype, weights = config.split(":")
-    model = load("default", dtype, weights).model
+    dtype, weights, *backend = config.split(":")  # dtype:weights[:backend]
+    model = load("default", dtype, weights, backend[0] if backend else None).model
     glue = {"eager": Eager(model.config, model.rope), model.ops.name: model.ops}
     rows = []
     with torch.inference_mode():

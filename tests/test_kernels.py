@@ -7,7 +7,17 @@ import json
 import pytest
 import torch
 
-from selfspec.kernels import BACKENDS, Int4, NativeFloat, NativeInt4, NativeInt4Dot, OneDNN, native, native_float
+from selfspec.kernels import (
+    BACKENDS,
+    Int4,
+    NativeCodes,
+    NativeFloat,
+    NativeInt4,
+    NativeInt4Dot,
+    OneDNN,
+    native,
+    native_float,
+)
 from selfspec.kernels import choice as kernel_choice
 from selfspec.kernels.base import EXACT_ROWS
 from selfspec.kernels.choice import plan
@@ -119,7 +129,8 @@ def test_unpermute_rows_undoes_llama_cpp_order():
 
 def test_missing_backend_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setattr(OneDNN, "unavailable", classmethod(lambda cls, dtype: "no oneDNN in this build"))
-    monkeypatch.setattr(NativeFloat, "unavailable", classmethod(lambda cls, dtype: "no C compiler"))
+    for float_native in (NativeFloat, NativeCodes):
+        monkeypatch.setattr(float_native, "unavailable", classmethod(lambda cls, dtype: "no C compiler"))
     p = plan(torch.float32)
     assert p.backend == "dense" and not p.row_exact
     assert any("no oneDNN in this build" in r for r in p.reasons)
@@ -158,9 +169,9 @@ def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
     measured again when the machine key (CPU, flags, threads, torch version) changes."""
     calls = []
 
-    def timed(linear, rows, dtype, repeats=15):
-        calls.append(type(linear).name)
-        return {"onednn": 2.0, "native": 3.0, "dense": 1.0}[type(linear).name]
+    def timed(linears, rows, dtype, repeats=15):
+        calls.append(type(linears[0]).name)
+        return {"onednn": 2.0, "codes": 3.0, "native": 3.0, "dense": 1.0}[type(linears[0]).name]
 
     monkeypatch.setattr(kernel_choice, "_median_ms", timed)
     monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # both exact: the timing decides
@@ -185,8 +196,10 @@ def test_a_backend_outside_native_c_must_win_by_a_margin(tmp_path, monkeypatch, 
     dense at 2.0 ms does not displace native at 3.0 ms (over NATIVE_MARGIN of it), at 1.4 ms it does."""
     if NativeFloat.unavailable(torch.float32):
         pytest.skip(NativeFloat.unavailable(torch.float32))
-    times = {"onednn": 9.0, "native": 3.0, "dense": dense_ms}
-    monkeypatch.setattr(kernel_choice, "_median_ms", lambda linear, rows, dtype, repeats=15: times[type(linear).name])
+    times = {"onednn": 9.0, "codes": 3.1, "native": 3.0, "dense": dense_ms}
+    monkeypatch.setattr(
+        kernel_choice, "_median_ms", lambda linears, rows, dtype, repeats=15: times[type(linears[0]).name]
+    )
     monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # all exact: the timing decides
     p = plan(torch.float32, sample=torch.randn(64, 32), cache=tmp_path / "kernels.json")
     assert p.backend == chosen and any("outside native.c" in r for r in p.reasons)

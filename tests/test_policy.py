@@ -103,6 +103,11 @@ def test_the_shipped_profile_of_this_machine_is_chosen(tmp_path, monkeypatch):
     here.save(tmp_path / "abc-float32-c.json")
     assert shipped_profile("abc", "float32") == here and SpecPolicy(here).foreign is None
     assert shipped_profile("abc", "float16") is None
+    # Timed on other kernels: a profile without a backend was timed on `native`
+    assert SpecPolicy(here, backend="native").foreign is None
+    assert "backend 'native' here 'codes'" in SpecPolicy(here, backend="codes").foreign
+    here.machine["backend"] = "codes"
+    assert SpecPolicy(here, backend="codes").foreign is None
 
 
 def test_a_profile_from_another_machine_is_not_trusted_silently():

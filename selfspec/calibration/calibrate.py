@@ -694,7 +694,7 @@ def _profile(engine, plan, costs, records, estimates, validation):
         fingerprint=engine.model.fingerprint,
         num_layers=engine.model.num_layers,
         dtype=str(engine.model.dtype).replace("torch.", ""),
-        machine=machine_info(),
+        machine={**machine_info(), "backend": engine.model.kernels.backend},
         temperatures=list(plan.temperatures),
         draft_layers=list(plan.draft_layers),
         draft_cost=costs["c"],

@@ -63,7 +63,7 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.policy = SpecPolicy(find_profile(self.model, profile))
+        self.policy = SpecPolicy(find_profile(self.model, profile), backend=self.model.kernels.backend)
         head = heads.find(self.model, draft_head)
         self.heads: dict[int, DraftHead] = {head.draft_layers: head} if head else {}
         self._drafters: dict[tuple, Drafter] = {}

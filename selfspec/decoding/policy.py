@@ -53,7 +53,9 @@ class SpecPolicy:
         temperature_threshold: float | None = None,
         min_max_tokens: int | None = None,
         max_batch_size: int | None = None,
+        backend: str | None = None,
     ) -> None:
+        """`backend`: the kernel backend of the model's linears (a profile timed on another one is foreign)."""
         self.profile = profile
         p = profile
         self.temperature_threshold = (
@@ -63,7 +65,7 @@ class SpecPolicy:
         )
         self.min_max_tokens = min_max_tokens if min_max_tokens is not None else (p.min_max_tokens if p else 16)
         self.max_batch_size = max_batch_size if max_batch_size is not None else (p.max_batch_size if p else 8)
-        self.foreign = foreign(p) if p else None  # why the profile's costs may not hold here (None: they do)
+        self.foreign = foreign(p, backend) if p else None  # why the profile's costs may not hold here (None: they do)
 
     def allows_batch(self, batch_size: int) -> bool:
         """Speculation pays only while compute sits idle: off above max_batch_size requests."""
@@ -175,7 +177,7 @@ def describe(config: SpecConfig) -> str:
     return f"{config.drafter},{n} gamma={config.num_speculative_tokens}"
 
 
-def foreign(profile: Profile) -> str | None:
-    """How the profile's machine differs from this one in what sets its costs (None: it does not)."""
-    diffs = machine_differences(profile.machine)
+def foreign(profile: Profile, backend: str | None = None) -> str | None:
+    """How the profile's machine (or backend) differs from this one in what sets its costs (None: it does not)."""
+    diffs = machine_differences(profile.machine, backend)
     return "the profile was measured with " + ", ".join(diffs) if diffs else None

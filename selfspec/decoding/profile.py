@@ -112,14 +112,19 @@ class Profile:
         return None
 
 
-def machine_differences(machine: dict) -> list[str]:
-    """What sets a profile's costs and differs between the machine it was measured on and this one."""
+def machine_differences(machine: dict, backend: str | None = None) -> list[str]:
+    """What sets a profile's costs and differs between the machine it was measured on and this one, and
+    the kernel backend of the model's linears where `backend` is given (a profile from before the
+    profiles named it was measured on `native`, the only float backend `auto` picked then)."""
     here = machine_key()
-    return [
+    diffs = [
         f"{k} {machine.get(k)!r} here {here[k]!r}"
         for k in ("cpu", "flags", "threads", "torch")
         if machine.get(k) != here[k]
     ]
+    if backend is not None and machine.get("backend", "native") != backend:
+        diffs.append(f"backend {machine.get('backend', 'native')!r} here {backend!r}")
+    return diffs
 
 
 def shipped_profiles(fingerprint: str, dtype: str) -> list[Path]:
@@ -128,11 +133,11 @@ def shipped_profiles(fingerprint: str, dtype: str) -> list[Path]:
     return sorted(PROFILE_DIR.glob(f"{fingerprint}-{dtype}-*.json"))
 
 
-def shipped_profile(fingerprint: str, dtype: str) -> "Profile | None":
+def shipped_profile(fingerprint: str, dtype: str, backend: str | None = None) -> "Profile | None":
     """This machine's profile among the shipped ones, else the one whose machine differs from it in the
     fewest respects (the policy then says what differs, and trusts only its lookup buckets)."""
     found = [Profile.load(p) for p in shipped_profiles(fingerprint, dtype)]
-    return min(found, key=lambda p: len(machine_differences(p.machine)), default=None)
+    return min(found, key=lambda p: len(machine_differences(p.machine, backend)), default=None)
 
 
 def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | None":
@@ -145,7 +150,7 @@ def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | No
     elif profile is not None:
         found = Profile.load(profile)
     else:
-        found = shipped_profile(model.fingerprint, str(model.dtype).replace("torch.", ""))
+        found = shipped_profile(model.fingerprint, str(model.dtype).replace("torch.", ""), model.kernels.backend)
     if found is not None and found.fingerprint != model.fingerprint:
         raise SelfspecError(
             f"profile for model {found.model!r} (fingerprint {found.fingerprint}) does not match this model "

@@ -6,6 +6,7 @@ from .base import Linear
 from .dense import Dense
 from .int4 import Int4
 from .int8 import Int8
+from .native_codes import NativeCodes
 from .native_dot import NativeInt4Dot, NativeInt8Dot
 from .native_float import NativeFloat
 from .native_int4 import NativeInt4
@@ -13,7 +14,8 @@ from .native_int8 import NativeInt8
 from .onednn import OneDNN
 
 BACKENDS: dict[str, type[Linear]] = {
-    b.name: b for b in (Dense, OneDNN, NativeFloat, Int8, NativeInt8, NativeInt8Dot, Int4, NativeInt4, NativeInt4Dot)
+    b.name: b
+    for b in (Dense, OneDNN, NativeCodes, NativeFloat, Int8, NativeInt8, NativeInt8Dot, Int4, NativeInt4, NativeInt4Dot)
 }
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "Int4",
     "Int8",
     "Linear",
+    "NativeCodes",
     "NativeFloat",
     "NativeInt4",
     "NativeInt4Dot",

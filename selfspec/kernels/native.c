@@ -1040,7 +1040,146 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t *x, co
 }
 #endif
 
-enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS }; /* the weight layouts the schedule below runs */
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* 8 bytes -> their low and high nibbles as floats; the nibbles are split after widening to 32 bits,
+ * where AVX2 has the shifts (byte vectors have none, and the compiler would go one byte at a time). */
+static inline void nibbles(const uint8_t *p, v8 *low, v8 *high) {
+#ifdef __AVX2__ /* one vpmovzxbd: the generic conversion below compiles to a byte-by-byte insert */
+    i32x8 w = (i32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    u8x8 b;
+    memcpy(&b, p, sizeof b);
+    i32x8 w = __builtin_convertvector(b, i32x8);
+#endif
+    *low = __builtin_convertvector(w & 15, v8);
+    *high = __builtin_convertvector(w >> 4, v8);
+}
+
+/* Float32 weights kept as the 4-bit or 8-bit codes they were dequantized from (kernels/native_codes.py),
+ * in panels of 16 output columns as above, a block per group of 32 inputs: for CODES4 the 16 columns'
+ * scales d and offsets m (float32), then 16 rows of 16 bytes, byte j of row t holding column j's code
+ * for input 2t in its low nibble and for input 2t + 1 in its high one; for CODES8 the scales, then 32
+ * rows of 16 int8 codes. A weight is rebuilt in registers as q * d + m (CODES4) or q * d (CODES8): d
+ * has a float16's few significant bits, so q * d is exact and the one rounding of the sum gives the
+ * float32 the checkpoint holds (native_codes.py checks every weight at load). Then each output is
+ * summed over the inputs in order as in panel_tile, so the bits are linear_dense's on the float32
+ * weights, from 0.75 (CODES4) or 1.125 (CODES8) bytes a weight instead of 4. */
+#define CODE_GROUP 32
+#ifndef CODES_AHEAD
+#define CODES_AHEAD 1536 /* bytes a block prefetches ahead (4 blocks of CODES4) */
+#endif
+static inline int64_t code_block(int bits) { return 4 * PANEL * (bits == 4 ? 2 : 1) + PANEL * CODE_GROUP * bits / 8; }
+
+static inline void prefetch_block(const uint8_t *b, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(b + l + CODES_AHEAD, 0, 3);
+}
+
+#ifdef __AVX512F__
+/* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile. */
+static inline __attribute__((always_inline)) void code_tile(const float *x, const uint8_t *w, float *y, int64_t in,
+                                                            int64_t out, int64_t cols, int np, int n, int bits,
+                                                            const char *next, int64_t step) {
+    __m512 acc[4][TILE_ROWS];
+    int64_t groups = in / CODE_GROUP, block = code_block(bits), bytes = groups * block;
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < n; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++)
+        for (int p = 0; p < np; p++) {
+            const uint8_t *b = w + p * bytes + g * block;
+            const float *xg = x + g * CODE_GROUP;
+            prefetch_block(b, block);
+            __m512 d = _mm512_loadu_ps((const float *)b);
+            if (bits == 4) {
+                __m512 m = _mm512_loadu_ps((const float *)b + PANEL);
+                for (int t = 0; t < CODE_GROUP / 2; t++) {
+                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 8 * PANEL + 16 * t)));
+                    __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
+                    __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+                    prefetch_next(next, g * CODE_GROUP + 2 * t, step);
+                    for (int r = 0; r < n; r++) {
+                        acc[p][r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xg[r * in + 2 * t]), acc[p][r]);
+                        acc[p][r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xg[r * in + 2 * t + 1]), acc[p][r]);
+                    }
+                }
+            } else
+                for (int t = 0; t < CODE_GROUP; t++) {
+                    __m128i c = _mm_loadu_si128((const __m128i *)(b + 4 * PANEL + 16 * t));
+                    __m512 wt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d);
+                    prefetch_next(next, g * CODE_GROUP + t, step);
+                    for (int r = 0; r < n; r++)
+                        acc[p][r] = _mm512_fmadd_ps(wt, _mm512_set1_ps(xg[r * in + t]), acc[p][r]);
+                }
+        }
+    for (int p = 0; p < np; p++) {
+        int64_t c = cols - p * PANEL;
+        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
+        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
+    }
+}
+#else
+/* 8 int8 codes -> floats. */
+static inline v8 codes8(const int8_t *p) {
+#ifdef __AVX2__
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    int8_t b[LANES];
+    memcpy(b, p, sizeof b);
+    v8 v;
+    for (int l = 0; l < LANES; l++) v[l] = b[l];
+    return v;
+#endif
+}
+
+/* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile (each lane the same
+ * arithmetic as the AVX-512 path's). */
+static inline __attribute__((always_inline)) void code_tile(const float *x, const uint8_t *w, float *y, int64_t in,
+                                                            int64_t out, int64_t cols, int np, int n, int bits,
+                                                            const char *next, int64_t step) {
+    v8 acc[4][2][TILE_ROWS];
+    int64_t groups = in / CODE_GROUP, block = code_block(bits), bytes = groups * block;
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < n; r++) acc[p][0][r] = acc[p][1][r] = (v8){0};
+    for (int64_t g = 0; g < groups; g++)
+        for (int p = 0; p < np; p++) {
+            const uint8_t *b = w + p * bytes + g * block;
+            const float *xg = x + g * CODE_GROUP;
+            prefetch_block(b, block);
+            v8 d[2] = {load8((const float *)b), load8((const float *)b + LANES)};
+            if (bits == 4) {
+                v8 m[2] = {load8((const float *)b + PANEL), load8((const float *)b + PANEL + LANES)};
+                for (int t = 0; t < CODE_GROUP / 2; t++) {
+                    v8 q0[2], q1[2];
+                    nibbles(b + 8 * PANEL + 16 * t, &q0[0], &q1[0]);
+                    nibbles(b + 8 * PANEL + 16 * t + LANES, &q0[1], &q1[1]);
+                    prefetch_next(next, g * CODE_GROUP + 2 * t, step);
+                    for (int h = 0; h < 2; h++) {
+                        v8 w0 = fma8(m[h], q0[h], d[h]), w1 = fma8(m[h], q1[h], d[h]);
+                        for (int r = 0; r < n; r++) {
+                            acc[p][h][r] = fma8(acc[p][h][r], w0, splat8(xg[r * in + 2 * t]));
+                            acc[p][h][r] = fma8(acc[p][h][r], w1, splat8(xg[r * in + 2 * t + 1]));
+                        }
+                    }
+                }
+            } else
+                for (int t = 0; t < CODE_GROUP; t++) {
+                    const int8_t *c = (const int8_t *)(b + 4 * PANEL + 16 * t);
+                    v8 w0 = codes8(c) * d[0], w1 = codes8(c + LANES) * d[1];
+                    prefetch_next(next, g * CODE_GROUP + t, step);
+                    for (int r = 0; r < n; r++) {
+                        v8 xi = splat8(xg[r * in + t]);
+                        acc[p][0][r] = fma8(acc[p][0][r], w0, xi);
+                        acc[p][1][r] = fma8(acc[p][1][r], w1, xi);
+                    }
+                }
+        }
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < n; r++) store_panel(y + r * out + p * PANEL, acc[p][0][r], acc[p][1][r], cols - p * PANEL);
+}
+#endif
+
+enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8 }; /* the layouts over_panels runs */
 
 /* One tile of `layout` with np and n known to the compiler (each case unrolled on its own). */
 #ifdef __AVX512BF16__
@@ -1049,8 +1188,10 @@ enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS }; /* the weight layouts the schedu
 #define PAIR_TILE(np, n) (void)0
 #endif
 #define TILE(np, n)                                                                                                   \
-    (layout == PANELS_PAIRS ? PAIR_TILE(np, n)                                                                        \
-     : layout == PANELS_BF16 ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                           \
+    (layout == PANELS_PAIRS    ? PAIR_TILE(np, n)                                                                     \
+     : layout == PANELS_CODES4 ? code_tile(xr, wp, yr, in, out, cols, np, n, 4, next, step)                          \
+     : layout == PANELS_CODES8 ? code_tile(xr, wp, yr, in, out, cols, np, n, 8, next, step)                          \
+     : layout == PANELS_BF16   ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                         \
                              : panel_tile(xr, wp, yr, in, out, cols, np, n, 0, next, step))
 
 /* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
@@ -1068,7 +1209,9 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
      * up to 3 rows (1 panel: 2 / 3 rows 18.8 / 19.6-21.4 ms against 16.9-19.6 / 14.6-19.8 in step.py). */
     int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 1 : 3; /* the most rows 2 panels take */
     int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= paired ? 2 : 1;
-    size_t bytes = (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2); /* one panel */
+    size_t bytes = layout == PANELS_CODES4   ? (size_t)(in / CODE_GROUP * code_block(4)) /* one panel */
+                   : layout == PANELS_CODES8 ? (size_t)(in / CODE_GROUP * code_block(8))
+                                             : (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2);
     /* Tiles per panel. From 2 to STREAM_TILES (then span is 1) each prefetches its share of the next panel.
      * A prompt's many tiles per panel are compute-bound and gain nothing from it: with it, a 600-token fp32
      * prefill took 1093-1167 ms against 963-1018 without in one reading (best of 5, alternating twice); a
@@ -1099,6 +1242,12 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
         }
 }
 
+/* x [rows, in] float32, w: code panels of `bits` 4 or 8 (above) -> y [rows, out] float32; in % 32 == 0. */
+void linear_codes(const float *x, const uint8_t *w, float *y, int64_t rows, int64_t in, int64_t out, int bits,
+                  int threads) {
+    over_panels(x, NULL, w, y, rows, in, out, bits == 4 ? PANELS_CODES4 : PANELS_CODES8, threads);
+}
+
 /* x [rows, in] float32, w: float32 (bf = 0) or bfloat16 (bf = 1) panels (above) -> y [rows, out] float32. */
 void linear_dense(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bf,
                   int threads) {
@@ -1119,23 +1268,6 @@ void linear_pairs(const float *x, const uint16_t *w, float *y, int64_t rows, int
  * and code j + 16 in its high one (GGUF's Q4 block order), and a float32 scale s and offset m:
  * w = q * s + m. So x . w = sum over groups of s * (x . q) + m * sum(x): the codes are widened to
  * float in registers, and sum(x) per group is computed once per row (xsum [rows, in / 32]). */
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-/* 8 bytes -> their low and high nibbles as floats; the nibbles are split after widening to 32 bits,
- * where AVX2 has the shifts (byte vectors have none, and the compiler would go one byte at a time). */
-static inline void nibbles(const uint8_t *p, v8 *low, v8 *high) {
-#ifdef __AVX2__ /* one vpmovzxbd: the generic conversion below compiles to a byte-by-byte insert */
-    i32x8 w = (i32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    u8x8 b;
-    memcpy(&b, p, sizeof b);
-    i32x8 w = __builtin_convertvector(b, i32x8);
-#endif
-    *low = __builtin_convertvector(w & 15, v8);
-    *high = __builtin_convertvector(w >> 4, v8);
-}
-
 /* acc[r] += s_g * (x_r . q) over group g's 32 codes, for rows r < n. */
 static inline __attribute__((always_inline)) void q4_group(const float *x, const uint8_t *codes, float scale,
                                                            v8 *acc, int64_t in, int n) {
@@ -1580,7 +1712,10 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
     const float *scale, *offset;
 } linear_spec;
 
-enum { LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS };
+enum {
+    LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS,
+    LINEAR_CODES4, LINEAR_CODES8
+};
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
     const void *cos, *sin;
@@ -1606,6 +1741,8 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
     case LINEAR_BF16: linear_dense(x, L->w, y, rows, L->in, L->out, 1, threads); break;
     case LINEAR_Q8: linear_q8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
     case LINEAR_Q4: linear_q4(x, L->w, L->scale, L->offset, y, rows, L->in, L->out, threads); break;
+    case LINEAR_CODES4: linear_codes(x, L->w, y, rows, L->in, L->out, 4, threads); break;
+    case LINEAR_CODES8: linear_codes(x, L->w, y, rows, L->in, L->out, 8, threads); break;
 #ifdef DOT_I8
     case LINEAR_Q8_I8: linear_q8_i8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
     case LINEAR_Q4_I8: linear_q4_i8(x, L->w, y, rows, L->in, L->out, threads); break;

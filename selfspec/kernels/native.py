@@ -72,7 +72,18 @@ class LinearSpec(ctypes.Structure):
 
 
 # native.c's LINEAR_*
-KINDS = {"zero": 0, "float32": 1, "bfloat16": 2, "q8": 3, "q4": 4, "q8_i8": 5, "q4_i8": 6, "bfloat16_pairs": 7}
+KINDS = {
+    "zero": 0,
+    "float32": 1,
+    "bfloat16": 2,
+    "q8": 3,
+    "q4": 4,
+    "q8_i8": 5,
+    "q4_i8": 6,
+    "bfloat16_pairs": 7,
+    "codes4": 8,
+    "codes8": 9,
+}
 
 
 class LayerSpec(ctypes.Structure):
@@ -106,12 +117,14 @@ class Native:
         lib.linear_dense.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         lib.linear_q4.argtypes = [p, p, p, p, p, i, i, i, ctypes.c_int]
         lib.linear_q8.argtypes = [p, p, p, p, i, i, i, ctypes.c_int]
+        lib.linear_codes.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
         info = ctypes.POINTER(PassInfo)
         lib.attend_pass.argtypes = [info, p, p, i, i, p]
         lib.layers.argtypes = [info, p, i, p, i, p, p, p, p]  # the arrays by address: callers start mid-array
         lib.shortlist.argtypes = [p, i, i, i, p, i, p, ctypes.c_int]
         lib.argmax_rows.argtypes = [p, i, i, p]
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
+        fns += (lib.linear_codes,)
         lib.draft_greedy.argtypes = [info, p, i, p, i, p, p, ctypes.POINTER(LinearSpec), i, p, p, p]
         fns += (lib.shortlist, lib.argmax_rows, lib.draft_greedy)
         for fn in fns:
