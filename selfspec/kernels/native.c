@@ -8,6 +8,7 @@
  *                 exactly the keys it may see, read through the block table
  * The linears of the native backends (kernels/native_*.py), further down:
  *   linear_dense  float32 / bfloat16 weights;  linear_q8  int8 per channel;  linear_q4  4-bit groups of 32
+ *   linear_codes  float32 weights rebuilt from the 4-bit / 8-bit codes they were dequantized from
  * and over the vocabulary, at the end: shortlist (the quantized draft's head) and argmax_rows.
  *
  * Exactness: every row is computed on its own, by the same loop, in a fixed order (reductions keep
@@ -1059,18 +1060,19 @@ static inline void nibbles(const uint8_t *p, v8 *low, v8 *high) {
 
 /* Float32 weights kept as the 4-bit or 8-bit codes they were dequantized from (kernels/native_codes.py),
  * in panels of 16 output columns as above, a block per group of 32 inputs: for CODES4 the 16 columns'
- * scales d and offsets m (float32), then 16 rows of 16 bytes, byte j of row t holding column j's code
+ * scales d and offsets m (float16), then 16 rows of 16 bytes, byte j of row t holding column j's code
  * for input 2t in its low nibble and for input 2t + 1 in its high one; for CODES8 the scales, then 32
  * rows of 16 int8 codes. A weight is rebuilt in registers as q * d + m (CODES4) or q * d (CODES8): d
  * has a float16's few significant bits, so q * d is exact and the one rounding of the sum gives the
  * float32 the checkpoint holds (native_codes.py checks every weight at load). Then each output is
  * summed over the inputs in order as in panel_tile, so the bits are linear_dense's on the float32
- * weights, from 0.75 (CODES4) or 1.125 (CODES8) bytes a weight instead of 4. */
+ * weights, from 0.625 (CODES4) or 1.0625 (CODES8) bytes a weight instead of 4. */
 #define CODE_GROUP 32
 #ifndef CODES_AHEAD
-#define CODES_AHEAD 1536 /* bytes a block prefetches ahead (4 blocks of CODES4) */
+#define CODES_AHEAD 1280 /* bytes a block prefetches ahead (4 blocks of CODES4) */
 #endif
-static inline int64_t code_block(int bits) { return 4 * PANEL * (bits == 4 ? 2 : 1) + PANEL * CODE_GROUP * bits / 8; }
+#define SCALES (2 * PANEL) /* bytes of a block's 16 float16 scales (and again of its offsets) */
+static inline int64_t code_block(int bits) { return SCALES * (bits == 4 ? 2 : 1) + PANEL * CODE_GROUP * bits / 8; }
 
 static inline void prefetch_block(const uint8_t *b, int64_t bytes) {
     for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(b + l + CODES_AHEAD, 0, 3);
@@ -1090,11 +1092,11 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
             const uint8_t *b = w + p * bytes + g * block;
             const float *xg = x + g * CODE_GROUP;
             prefetch_block(b, block);
-            __m512 d = _mm512_loadu_ps((const float *)b);
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
             if (bits == 4) {
-                __m512 m = _mm512_loadu_ps((const float *)b + PANEL);
+                __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
                 for (int t = 0; t < CODE_GROUP / 2; t++) {
-                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 8 * PANEL + 16 * t)));
+                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
                     __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
                     __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
                     prefetch_next(next, g * CODE_GROUP + 2 * t, step);
@@ -1105,7 +1107,7 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
                 }
             } else
                 for (int t = 0; t < CODE_GROUP; t++) {
-                    __m128i c = _mm_loadu_si128((const __m128i *)(b + 4 * PANEL + 16 * t));
+                    __m128i c = _mm_loadu_si128((const __m128i *)(b + SCALES + 16 * t));
                     __m512 wt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d);
                     prefetch_next(next, g * CODE_GROUP + t, step);
                     for (int r = 0; r < n; r++)
@@ -1132,6 +1134,26 @@ static inline v8 codes8(const int8_t *p) {
 #endif
 }
 
+/* 8 float16 values (the bytes at p) -> float32 (exact). */
+static inline v8 half8(const uint8_t *p) {
+#ifdef __F16C__
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    v8 v;
+    for (int l = 0; l < LANES; l++) {
+        uint16_t h;
+        memcpy(&h, p + 2 * l, sizeof h);
+        uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, f = h & 1023;
+        float x = e == 31 ? (f ? NAN : INFINITY) : e ? ldexpf((float)(f | 1024), (int)e - 25) : ldexpf((float)f, -24);
+        uint32_t u;
+        memcpy(&u, &x, sizeof u);
+        u |= sign;
+        memcpy(&v[l], &u, sizeof u);
+    }
+    return v;
+#endif
+}
+
 /* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile (each lane the same
  * arithmetic as the AVX-512 path's). */
 static inline __attribute__((always_inline)) void code_tile(const float *x, const uint8_t *w, float *y, int64_t in,
@@ -1146,13 +1168,13 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
             const uint8_t *b = w + p * bytes + g * block;
             const float *xg = x + g * CODE_GROUP;
             prefetch_block(b, block);
-            v8 d[2] = {load8((const float *)b), load8((const float *)b + LANES)};
+            v8 d[2] = {half8(b), half8(b + 2 * LANES)};
             if (bits == 4) {
-                v8 m[2] = {load8((const float *)b + PANEL), load8((const float *)b + PANEL + LANES)};
+                v8 m[2] = {half8(b + SCALES), half8(b + SCALES + 2 * LANES)};
                 for (int t = 0; t < CODE_GROUP / 2; t++) {
                     v8 q0[2], q1[2];
-                    nibbles(b + 8 * PANEL + 16 * t, &q0[0], &q1[0]);
-                    nibbles(b + 8 * PANEL + 16 * t + LANES, &q0[1], &q1[1]);
+                    nibbles(b + 2 * SCALES + 16 * t, &q0[0], &q1[0]);
+                    nibbles(b + 2 * SCALES + 16 * t + LANES, &q0[1], &q1[1]);
                     prefetch_next(next, g * CODE_GROUP + 2 * t, step);
                     for (int h = 0; h < 2; h++) {
                         v8 w0 = fma8(m[h], q0[h], d[h]), w1 = fma8(m[h], q1[h], d[h]);
@@ -1164,7 +1186,7 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
                 }
             } else
                 for (int t = 0; t < CODE_GROUP; t++) {
-                    const int8_t *c = (const int8_t *)(b + 4 * PANEL + 16 * t);
+                    const int8_t *c = (const int8_t *)(b + SCALES + 16 * t);
                     v8 w0 = codes8(c) * d[0], w1 = codes8(c + LANES) * d[1];
                     prefetch_next(next, g * CODE_GROUP + t, step);
                     for (int r = 0; r < n; r++) {

@@ -6,7 +6,7 @@ reads 4 bytes a weight where the file holds ~0.6. This backend finds, for each g
 each output column, a scale d with a float16's precision, an offset m and codes q such that q * d + m
 rounds to exactly the stored float32 (or q * d, for 8-bit codes), checks every weight's bits, and keeps
 the codes: native.c rebuilds each weight in registers and sums exactly as `native` does on the float32
-panels, so the output bits are `native`'s, from 0.75 or 1.125 bytes a weight. A weight that is not
+panels, so the output bits are `native`'s, from 0.625 or 1.0625 bytes a weight. A weight that is not
 exactly such codes (a model that never was 4- or 8-bit) stays in float32 panels.
 
 float32 activations only: a bfloat16 model's weights are rounded from these values, and its kernels
@@ -81,11 +81,14 @@ SAMPLE = 256  # groups a width is tried on first
 
 def _codes(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(q, d, m) with q * d + m == groups [n, 32] bit for bit (m = 0 for 8 bits), or None. 4 bits: m is a
-    group's least weight (its code 0) and d = (max - m) / k rounded to float16, k = 15 first (Q4_1 and
-    Q4_0 put a group's extremes at codes 0 and 15), then 14 .. 1 for the groups k = 15 does not fit.
-    8 bits: d = max |w| / 127 (Q8_0). A float16 d makes q * d exact, so the sum rounds once, as in C."""
+    group's least weight (its code 0; a float16 value, as Q4_1's m and Q4_0's -8d are) and d = (max - m) / k
+    rounded to float16, k = 15 first (Q4_1 and Q4_0 put a group's extremes at codes 0 and 15), then 14 .. 1
+    for the groups k = 15 does not fit. 8 bits: d = max |w| / 127 (Q8_0). A float16 d makes q * d exact, so
+    the sum rounds once, as in C."""
     if bits == 4:
         m = groups.amin(-1, keepdim=True)
+        if not torch.equal(m.half().float(), m):  # native.c keeps m as a float16
+            return None
         spread, lo, hi, ks = groups.amax(-1, keepdim=True) - m, 0, 15, range(15, 0, -1)
     else:
         m = torch.zeros_like(groups[:, :1])
@@ -112,8 +115,9 @@ def _codes(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
-    """q [out, G, 32], d and m [out, G, 1] -> native.c's code panels, uint8 [P, G, block] (CODES4: d, m,
-    then byte t of column j = q[2t] | q[2t + 1] << 4; CODES8: d, then the int8 codes input by input)."""
+    """q [out, G, 32], d and m [out, G, 1] (float16 values) -> native.c's code panels, uint8 [P, G, block]
+    (CODES4: d, m as float16, then byte t of column j = q[2t] | q[2t + 1] << 4; CODES8: d, then the int8
+    codes input by input)."""
     out, groups = q.shape[:2]
     panels = out // PANEL
 
@@ -121,21 +125,21 @@ def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch
         return t.view(panels, PANEL, groups, -1).permute(0, 2, 3, 1)
 
     scales = [d] if bits == 8 else [d, m]
-    head = torch.cat([by_panel(s).reshape(panels, groups, PANEL).contiguous().view(torch.uint8) for s in scales], -1)
+    head = [by_panel(s.half()).reshape(panels, groups, PANEL).contiguous().view(torch.uint8) for s in scales]
     if bits == 4:
         codes = by_panel(q.to(torch.uint8))  # [P, G, 32, 16]
         body = codes[:, :, 0::2] | codes[:, :, 1::2] << 4  # [P, G, 16, 16]
     else:
         body = by_panel(q.to(torch.int8)).view(torch.uint8)  # [P, G, 32, 16]
-    return torch.cat([head, body.reshape(panels, groups, -1)], -1).contiguous()
+    return torch.cat([*head, body.reshape(panels, groups, -1)], -1).contiguous()
 
 
 def unpack(panels: torch.Tensor, bits: int, inn: int) -> torch.Tensor:
     """Code panels -> the float32 weight [out padded, in] they rebuild (q * d + m, as native.c)."""
     p, groups = panels.shape[:2]
-    scale_bytes = 4 * PANEL * (2 if bits == 4 else 1)
+    scale_bytes = 2 * PANEL * (2 if bits == 4 else 1)
     head, body = panels[..., :scale_bytes], panels[..., scale_bytes:]
-    scales = head.contiguous().view(torch.float32).view(p, groups, -1, PANEL)  # [P, G, 1 or 2, 16]
+    scales = head.contiguous().view(torch.float16).float().view(p, groups, -1, PANEL)  # [P, G, 1 or 2, 16]
     d = scales[:, :, :1]
     m = scales[:, :, 1:] if bits == 4 else torch.zeros_like(d)
     if bits == 4:
