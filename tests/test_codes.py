@@ -59,6 +59,7 @@ def test_a_weight_that_never_was_quantized_stays_float32():
     near = dequantized("Q4_1", out=16, inn=64)
     near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(1.0))
     assert NativeCodes(near, None, torch.float32).kind == "float32"
+    assert NativeCodes(dequantized("Q4_1", out=16, inn=64)[:, :48], None, torch.float32).kind == "float32"  # no groups
     assert NativeCodes.unavailable(torch.bfloat16) is not None
 
 

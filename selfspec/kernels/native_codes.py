@@ -21,11 +21,11 @@ from .native_float import PANEL, NativeFloat, pack, padded
 
 GROUP = 32
 BITS = {"codes4": 4, "codes8": 8}
+SAMPLE = 256  # groups a width is tried on first
 
 
 class NativeCodes(NativeFloat):
-    name = "codes"
-    multiple = GROUP
+    name = "codes"  # NativeFloat's input widths: one that is not whole groups of 32 stays float32
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         native.NativeLinear.__init__(self, *weight.shape, bias, dtype, weight.device)
@@ -74,9 +74,6 @@ def find_codes(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
             shape = (-1, weight.shape[1] // GROUP)
             return f"codes{bits}", _pack(*(t.view(*shape, t.shape[-1]) for t in found), bits)
     return None
-
-
-SAMPLE = 256  # groups a width is tried on first
 
 
 def _codes(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
