@@ -1,6 +1,7 @@
 """The `codes` backend (kernels/native_codes.py): float32 weights that are exactly a GGUF's 4-bit or
 8-bit codes are kept as those codes and rebuilt in registers, with the bits of `native`'s float32
-panels for every row count; any other weight stays in float32 panels."""
+panels for every row count (and, rounded to bfloat16 where the CPU has AVX512-BF16, of its bfloat16
+pair panels); any other weight stays in `native`'s panels."""
 
 import pytest
 import torch
@@ -14,6 +15,15 @@ from .conftest import tiny_hf_model
 from .test_native import decode
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native.c unavailable: {native.unavailable()}")
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            native.library() is None or not native.library().pairs, reason="bfloat16 codes need AVX512-BF16"
+        ),
+    ),
+]
 
 
 def dequantized(kind: str, out: int = 80, inn: int = 192, seed: int = 0) -> torch.Tensor:
@@ -36,15 +46,17 @@ def dequantized(kind: str, out: int = 80, inn: int = 192, seed: int = 0) -> torc
     return (q * d + m).view(out, inn)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind,codes", [("Q4_1", "codes4"), ("Q4_0", "codes4"), ("Q8_0", "codes8")])
-def test_codes_rebuild_the_float_weights_bit_for_bit(kind, codes):
+def test_codes_rebuild_the_float_weights_bit_for_bit(kind, codes, dtype):
     w = dequantized(kind)
-    lin, ref = NativeCodes(w, None, torch.float32), NativeFloat(w, None, torch.float32)
-    assert lin.kind == codes
-    assert lin.nbytes < ref.nbytes / (5 if codes == "codes4" else 3)
-    assert torch.equal(lin.dequantized(), w)  # what the kernel multiplies by
-    assert torch.equal(lin.transposed(), w.t())  # what a prompt's GEMM multiplies by
-    x = torch.randn(20, w.shape[1], generator=torch.Generator().manual_seed(1))
+    lin, ref = NativeCodes(w, None, dtype), NativeFloat(w, None, dtype)  # native rounds w to dtype
+    assert lin.kind == (codes if dtype == torch.float32 else f"pair_{codes}")
+    assert lin.nbytes < ref.nbytes / ((5 if codes == "codes4" else 3) if dtype == torch.float32 else 1.8)
+    rounded = w.to(dtype).float()
+    assert torch.equal(lin.dequantized(), rounded)  # what the kernel multiplies by
+    assert torch.equal(lin.transposed(), rounded.t())  # what a prompt's GEMM multiplies by
+    x = torch.randn(20, w.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
     for rows in (1, 2, 3, 5, 8, 9, 17, 20):  # every tile shape: 4 panels by 1 row .. 2 tiles streaming
         assert torch.equal(lin.matmul(x[:rows]), ref.matmul(x[:rows])), rows
 
@@ -60,14 +72,20 @@ def test_a_weight_that_never_was_quantized_stays_float32():
     near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(1.0))
     assert NativeCodes(near, None, torch.float32).kind == "float32"
     assert NativeCodes(dequantized("Q4_1", out=16, inn=64)[:, :48], None, torch.float32).kind == "float32"  # no groups
-    assert NativeCodes.unavailable(torch.bfloat16) is not None
+    assert NativeCodes.unavailable(torch.float16) is not None
+    if native.library().pairs:  # in bfloat16: native's pair panels
+        lin = NativeCodes(w, None, torch.bfloat16)
+        assert lin.kind == "bfloat16_pairs" and torch.equal(lin.dequantized(), w.bfloat16().float())
+    else:
+        assert "AVX512-BF16" in NativeCodes.unavailable(torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
-def test_a_model_of_codes_decodes_with_the_bits_of_float32_panels():
-    """A tiny model whose linears are Q4_1 / Q8_0 values: decoding steps and a verification pass on the
-    codes give the logits of the float32 panels bit for bit, so its fp32 speculative output equals plain
-    output as the panels' does."""
+def test_a_model_of_codes_decodes_with_the_bits_of_native_panels(dtype):
+    """A tiny model whose linears are Q4_1 / Q8_0 values (a float32 checkpoint, loaded in `dtype`):
+    decoding steps and a verification pass on the codes give the logits of `native`'s panels bit for
+    bit, so its speculative output equals plain output as the panels' does."""
     hf = tiny_hf_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
     state = hf.state_dict()
     for i, (name, t) in enumerate(sorted(state.items())):
@@ -76,10 +94,11 @@ def test_a_model_of_codes_decodes_with_the_bits_of_float32_panels():
             state[name] = dequantized(kind, *t.shape, seed=i)
     config = ModelConfig.from_hf(hf.config.to_dict())
     models = {
-        b: build_model(config, state.get, torch.float32, KernelPlan("float32", b, True)) for b in ("codes", "native")
+        b: build_model(config, state.get, dtype, KernelPlan(str(dtype)[6:], b, True)) for b in ("codes", "native")
     }
     kinds = {lin.kind for layer in models["codes"].layers for lin in layer.linears()}
-    assert kinds == {"codes4"} and models["codes"].head.kind == "codes8"
+    pair = "" if dtype == torch.float32 else "pair_"
+    assert kinds == {f"{pair}codes4"} and models["codes"].head.kind == f"{pair}codes8"
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     (steps, verified, tokens), (steps_f, verified_f, tokens_f) = (
         decode(m, m.ops, prompt, 6, 4) for m in models.values()

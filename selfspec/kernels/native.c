@@ -1201,16 +1201,74 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
 }
 #endif
 
-enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8 }; /* the layouts over_panels runs */
+#ifdef __AVX512BF16__
+/* bfloat16 weights rounded from such codes (a bfloat16 model loaded from a 4-bit or 8-bit checkpoint):
+ * the same blocks, the codes in pair panels' order. Pair row t of a group (inputs 2t and 2t + 1) holds
+ * for lane k of 16 the code of column k / 2 (CODES4: byte k's low nibble; CODES8: byte k) and of column
+ * 8 + k / 2 (its high nibble; byte 16 + k), each for input 2t + k % 2. The two halves are rebuilt in
+ * float32 as above (the checkpoint's float32), and vcvtne2ps2bf16 rounds them to nearest even, as torch
+ * rounds a float32 model to bfloat16 (it flushes subnormals, which weights that are multiples of
+ * float16's 2^-24 never are), into one pair row of pair_tile's order: the sums are pair_tile's bit for
+ * bit, from 0.625 (CODES4) or 1.0625 (CODES8) bytes a weight instead of 2. */
+static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *x, const uint8_t *w, float *y,
+                                                                 int64_t in, int64_t out, int64_t cols, int np, int n,
+                                                                 int bits, const char *next, int64_t step) {
+    __m512 acc[4][TILE_ROWS];
+    int64_t groups = in / CODE_GROUP, block = code_block(bits), bytes = groups * block, half = in / 2;
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0); /* lane k: column k / 2 */
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < n; r++) acc[p][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++)
+        for (int p = 0; p < np; p++) {
+            const uint8_t *b = w + p * bytes + g * block;
+            const int32_t *xg = x + g * CODE_GROUP / 2;
+            prefetch_block(b, block);
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), m = _mm512_setzero_ps();
+            if (bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
+            __m512 dl = _mm512_permutexvar_ps(low, d), dh = _mm512_permutexvar_ps(high, d);
+            __m512 ml = _mm512_permutexvar_ps(low, m), mh = _mm512_permutexvar_ps(high, m);
+            for (int t = 0; t < CODE_GROUP / 2; t++) {
+                __m512 wl, wh;
+                if (bits == 4) {
+                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
+                    wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), dl, ml);
+                    wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), dh, mh);
+                } else {
+                    const uint8_t *c = b + SCALES + 32 * t;
+                    wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), dl);
+                    wh = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), dh);
+                }
+                __m512bh wt = _mm512_cvtne2ps_pbh(wh, wl); /* columns 0-7 from wl, 8-15 from wh */
+                prefetch_next(next, g * CODE_GROUP + 2 * t, step);
+                for (int r = 0; r < n; r++)
+                    acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wt, (__m512bh)_mm512_set1_epi32(xg[r * half + t]));
+            }
+        }
+    for (int p = 0; p < np; p++) {
+        int64_t c = cols - p * PANEL;
+        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
+        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
+    }
+}
+#endif
+
+enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANELS_PAIR_CODES4, PANELS_PAIR_CODES8 }; /* the layouts over_panels runs */
 
 /* One tile of `layout` with np and n known to the compiler (each case unrolled on its own). */
 #ifdef __AVX512BF16__
 #define PAIR_TILE(np, n) pair_tile((const int32_t *)(xb + r * in), wp, yr, in, out, cols, np, n, next, step)
+#define PAIR_CODE_TILE(np, n, bits) \
+    pair_code_tile((const int32_t *)(xb + r * in), wp, yr, in, out, cols, np, n, bits, next, step)
 #else
 #define PAIR_TILE(np, n) (void)0
+#define PAIR_CODE_TILE(np, n, bits) (void)0
 #endif
 #define TILE(np, n)                                                                                                   \
     (layout == PANELS_PAIRS    ? PAIR_TILE(np, n)                                                                     \
+     : layout == PANELS_PAIR_CODES4 ? PAIR_CODE_TILE(np, n, 4)                                                        \
+     : layout == PANELS_PAIR_CODES8 ? PAIR_CODE_TILE(np, n, 8)                                                        \
      : layout == PANELS_CODES4 ? code_tile(xr, wp, yr, in, out, cols, np, n, 4, next, step)                          \
      : layout == PANELS_CODES8 ? code_tile(xr, wp, yr, in, out, cols, np, n, 8, next, step)                          \
      : layout == PANELS_BF16   ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                         \
@@ -1231,9 +1289,11 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
      * up to 3 rows (1 panel: 2 / 3 rows 18.8 / 19.6-21.4 ms against 16.9-19.6 / 14.6-19.8 in step.py). */
     int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 1 : 3; /* the most rows 2 panels take */
     int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= paired ? 2 : 1;
-    size_t bytes = layout == PANELS_CODES4   ? (size_t)(in / CODE_GROUP * code_block(4)) /* one panel */
-                   : layout == PANELS_CODES8 ? (size_t)(in / CODE_GROUP * code_block(8))
-                                             : (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2);
+    int codes = layout == PANELS_CODES4 || layout == PANELS_PAIR_CODES4   ? 4
+                : layout == PANELS_CODES8 || layout == PANELS_PAIR_CODES8 ? 8
+                                                                          : 0;
+    size_t bytes = codes ? (size_t)(in / CODE_GROUP * code_block(codes)) /* one panel */
+                         : (size_t)(in * PANEL) * (layout == PANELS_F32 ? 4 : 2);
     /* Tiles per panel. From 2 to STREAM_TILES (then span is 1) each prefetches its share of the next panel.
      * A prompt's many tiles per panel are compute-bound and gain nothing from it: with it, a 600-token fp32
      * prefill took 1093-1167 ms against 963-1018 without in one reading (best of 5, alternating twice); a
@@ -1282,6 +1342,17 @@ void linear_pairs(const float *x, const uint16_t *w, float *y, int64_t rows, int
                   int threads) {
     uint16_t *xb = narrowed(x, rows * in);
     over_panels(x, xb, w, y, rows, in, out, PANELS_PAIRS, threads);
+    free(xb);
+}
+#endif
+
+#ifdef __AVX512BF16__
+/* x [rows, in] float32 holding bfloat16 values, w: pair code panels of `bits` 4 or 8 (above) -> y [rows,
+ * out] float32; in % 32 == 0. */
+void linear_pair_codes(const float *x, const uint8_t *w, float *y, int64_t rows, int64_t in, int64_t out, int bits,
+                       int threads) {
+    uint16_t *xb = narrowed(x, rows * in);
+    over_panels(x, xb, w, y, rows, in, out, bits == 4 ? PANELS_PAIR_CODES4 : PANELS_PAIR_CODES8, threads);
     free(xb);
 }
 #endif
@@ -1736,7 +1807,7 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
 
 enum {
     LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS,
-    LINEAR_CODES4, LINEAR_CODES8
+    LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8
 };
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
@@ -1771,6 +1842,8 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
 #endif
 #ifdef __AVX512BF16__
     case LINEAR_BF16_PAIRS: linear_pairs(x, L->w, y, rows, L->in, L->out, threads); break;
+    case LINEAR_PAIR_CODES4: linear_pair_codes(x, L->w, y, rows, L->in, L->out, 4, threads); break;
+    case LINEAR_PAIR_CODES8: linear_pair_codes(x, L->w, y, rows, L->in, L->out, 8, threads); break;
 #endif
     default: memset(y, 0, sizeof(float) * (size_t)(rows * L->out));
     }

@@ -83,6 +83,8 @@ KINDS = {
     "bfloat16_pairs": 7,
     "codes4": 8,
     "codes8": 9,
+    "pair_codes4": 10,
+    "pair_codes8": 11,
 }
 
 
@@ -137,7 +139,8 @@ class Native:
         self.pairs = bool(lib.bf16_pairs())  # bfloat16 weights in pair panels (AVX512-BF16)
         if self.pairs:
             lib.linear_pairs.argtypes = [p, p, p, i, i, i, ctypes.c_int]
-            lib.linear_pairs.restype = None
+            lib.linear_pair_codes.argtypes = lib.linear_codes.argtypes
+            lib.linear_pairs.restype = lib.linear_pair_codes.restype = None
         self.lib, self.path = lib, path
 
     def add_norm(

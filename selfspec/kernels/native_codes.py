@@ -9,60 +9,75 @@ the codes: native.c rebuilds each weight in registers and sums exactly as `nativ
 panels, so the output bits are `native`'s, from 0.625 or 1.0625 bytes a weight. A weight that is not
 exactly such codes (a model that never was 4- or 8-bit) stays in float32 panels.
 
-float32 activations only: a bfloat16 model's weights are rounded from these values, and its kernels
-(pair panels) are not rebuilt here."""
+A bfloat16 model's weights are these float32 values rounded to bfloat16. Where the CPU has AVX512-BF16
+they are kept as the same codes in pair panels' order (`linear_pair_codes`): rebuilt in float32, rounded
+to bfloat16 in registers and summed as `native`'s pair panels sum, so the bits are `native`'s there too,
+from 0.625 bytes a weight instead of 2. Such a model's linears are built from the checkpoint's float32
+weights (`source`), not from the bfloat16 ones, which no longer tell the codes."""
 
 from __future__ import annotations
 
 import torch
 
 from . import native
-from .native_float import PANEL, NativeFloat, pack, padded
+from .native_float import PANEL, NativeFloat, pack, pack_pairs, padded
 
 GROUP = 32
-BITS = {"codes4": 4, "codes8": 8}
+BITS = {"codes4": 4, "codes8": 8, "pair_codes4": 4, "pair_codes8": 8}
 SAMPLE = 256  # groups a width is tried on first
 
 
 class NativeCodes(NativeFloat):
     name = "codes"  # NativeFloat's input widths: one that is not whole groups of 32 stays float32
+    source = True  # built from the checkpoint's weights, before they are rounded to the activations' dtype
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         native.NativeLinear.__init__(self, *weight.shape, bias, dtype, weight.device)
         weight = weight.to(torch.float32)
-        found = find_codes(weight)
-        if found is None:
-            self.kind, self.panels = "float32", pack(weight)
-        else:
+        pairs = dtype == torch.bfloat16
+        found = find_codes(weight, pairs)
+        if found is not None:
             self.kind, self.panels = found
+        elif pairs:  # NativeFloat's pair panels
+            self.kind, self.panels = "bfloat16_pairs", pack_pairs(weight.to(dtype))
+        else:
+            self.kind, self.panels = "float32", pack(weight)
 
     @classmethod
     def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        if dtype != torch.float32:
-            return f"codes rebuild float32 weights, for float32 activations, not {dtype}"
-        return super().unavailable(dtype, device)
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"codes rebuild float32 or bfloat16 weights, not {dtype}"
+        why = super().unavailable(dtype, device)
+        if why is None and dtype == torch.bfloat16 and not native.library().pairs:
+            return "bfloat16 codes are rebuilt into pair panels, which need AVX512-BF16 (not on this CPU)"
+        return why
 
     @property
     def nbytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
     def transposed(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W.T [in, out] for a prompt's GEMM: the float32 panels unpacked, or the codes rebuilt."""
-        if self.kind == "float32":
+        """W.T [in, out] for a prompt's GEMM: the float panels unpacked, or the codes rebuilt (and rounded to
+        the activations' dtype, as the kernel rounds them)."""
+        if self.kind not in BITS:
             return super().transposed(dtype)
-        return unpack(self.panels, BITS[self.kind], self.in_features)[: self.out_features].t().to(dtype)
+        weight = unpack(self.panels, BITS[self.kind], self.in_features, self.kind.startswith("pair"))
+        return weight[: self.out_features].to(self.dtype).t().to(dtype)
 
     def kernel(self, x: torch.Tensor, y: torch.Tensor, rows: int, threads: int) -> None:
-        if self.kind == "float32":
+        if self.kind not in BITS:
             return super().kernel(x, y, rows, threads)
+        run = self.lib.linear_pair_codes if self.kind.startswith("pair") else self.lib.linear_codes
         shape = (rows, self.in_features, self.out_features)
-        self.lib.linear_codes(x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), *shape, BITS[self.kind], threads)
+        run(x.data_ptr(), self.panels.data_ptr(), y.data_ptr(), *shape, BITS[self.kind], threads)
 
 
-def find_codes(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+def find_codes(weight: torch.Tensor, pairs: bool = False) -> tuple[str, torch.Tensor] | None:
     """(kind, code panels) for a float32 weight [out, in] that is exactly 4-bit, else 8-bit codes per
-    group of 32 inputs; None when it is neither (or `in` is not a multiple of 32). Each width is tried on
-    the first groups before the whole weight (a full try costs ~10 passes over it)."""
+    group of 32 inputs, in pair panels' order if `pairs`; None when it is neither (or `in` is not a
+    multiple of 32). Each width is tried on the first groups before the whole weight (a full try costs
+    ~10 passes over it). Rebuilt weights are multiples of 2^-24 (d and m are float16 values), so never
+    float32 subnormals, which vcvtne2ps2bf16 would flush to zero where torch's rounding keeps them."""
     if weight.shape[1] % GROUP:
         return None
     groups = padded(weight).view(-1, GROUP)  # [out padded * G, 32]
@@ -72,7 +87,8 @@ def find_codes(weight: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         found = _codes(groups, bits)
         if found is not None:
             shape = (-1, weight.shape[1] // GROUP)
-            return f"codes{bits}", _pack(*(t.view(*shape, t.shape[-1]) for t in found), bits)
+            panels = _pack(*(t.view(*shape, t.shape[-1]) for t in found), bits, pairs)
+            return f"pair_codes{bits}" if pairs else f"codes{bits}", panels
     return None
 
 
@@ -111,10 +127,10 @@ def _codes(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
     return None
 
 
-def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
-    """q [out, G, 32], d and m [out, G, 1] (float16 values) -> native.c's code panels, uint8 [P, G, block]
-    (CODES4: d, m as float16, then byte t of column j = q[2t] | q[2t + 1] << 4; CODES8: d, then the int8
-    codes input by input)."""
+def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, pairs: bool) -> torch.Tensor:
+    """q [out, G, 32], d and m [out, G, 1] (float16 values) -> native.c's code panels, uint8 [P, G, block]:
+    d, m as float16 (CODES4; CODES8 d alone), then the codes in rows of 16 lanes (`_lanes`), a CODES4 row's
+    byte j holding lane j of rows 2t and 2t + 1 in its low and high nibble."""
     out, groups = q.shape[:2]
     panels = out // PANEL
 
@@ -123,15 +139,28 @@ def _pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch
 
     scales = [d] if bits == 8 else [d, m]
     head = [by_panel(s.half()).reshape(panels, groups, PANEL).contiguous().view(torch.uint8) for s in scales]
+    codes = _lanes(by_panel(q), pairs)  # [P, G, 32, 16]
     if bits == 4:
-        codes = by_panel(q.to(torch.uint8))  # [P, G, 32, 16]
+        codes = codes.to(torch.uint8)
         body = codes[:, :, 0::2] | codes[:, :, 1::2] << 4  # [P, G, 16, 16]
     else:
-        body = by_panel(q.to(torch.int8)).view(torch.uint8)  # [P, G, 32, 16]
+        body = codes.to(torch.int8).view(torch.uint8)
     return torch.cat([*head, body.reshape(panels, groups, -1)], -1).contiguous()
 
 
-def unpack(panels: torch.Tensor, bits: int, inn: int) -> torch.Tensor:
+def _lanes(codes: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """[P, G, 32 inputs, 16 columns] -> the 32 rows of 16 lanes native.c reads. Float32 panels: row i is
+    input i. Pair panels: pair t (inputs 2t, 2t + 1) is rows 2t and 2t + 1 (CODES4: byte j's nibbles;
+    CODES8: bytes 0-15 and 16-31), lane k of the first holding column k / 2, of the second column
+    8 + k / 2, each for input 2t + k % 2, so that the two rebuilt halves round into one pair row."""
+    if not pairs:
+        return codes
+    p, g = codes.shape[:2]
+    c = codes.view(p, g, GROUP // 2, 2, 2, PANEL // 2)  # [P, G, pair t, input e, half h, column c]
+    return c.permute(0, 1, 2, 4, 5, 3).reshape(p, g, GROUP, PANEL)  # lane 2c + e of row 2t + h
+
+
+def unpack(panels: torch.Tensor, bits: int, inn: int, pairs: bool = False) -> torch.Tensor:
     """Code panels -> the float32 weight [out padded, in] they rebuild (q * d + m, as native.c)."""
     p, groups = panels.shape[:2]
     scale_bytes = 2 * PANEL * (2 if bits == 4 else 1)
@@ -144,5 +173,7 @@ def unpack(panels: torch.Tensor, bits: int, inn: int) -> torch.Tensor:
         q = torch.stack([b & 15, b >> 4], 3).view(p, groups, GROUP, PANEL).float()
     else:
         q = body.contiguous().view(torch.int8).view(p, groups, GROUP, PANEL).float()
+    if pairs:  # _lanes undone: lane 2c + e of row 2t + h -> input 2t + e, column 8h + c
+        q = q.view(p, groups, GROUP // 2, 2, PANEL // 2, 2).permute(0, 1, 2, 5, 3, 4).reshape(q.shape)
     w = m + q * d  # [P, G, 32, 16]
     return w.permute(0, 3, 1, 2).reshape(p * PANEL, inn)

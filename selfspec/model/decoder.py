@@ -210,15 +210,21 @@ def build_model(
     device = torch.device(device)
     kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype, device=device)
 
-    def need(name: str) -> torch.Tensor:
+    def need(name: str, keep: bool = False) -> torch.Tensor:
+        """The tensor in `dtype`, or as the checkpoint holds it (`keep`)."""
         t = get(name)
         if t is None:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-        return t.to(device=device, dtype=dtype)
+        return t.to(device=device) if keep else t.to(device=device, dtype=dtype)
 
     def maybe(name: str) -> torch.Tensor | None:
         t = get(name)
         return None if t is None else t.to(device=device, dtype=dtype)
+
+    def source(name: str) -> torch.Tensor:
+        """A linear's weight: as the checkpoint holds it for a backend that reads its values (codes, found
+        before the rounding to `dtype` hides them), else in `dtype`."""
+        return need(name, keep=getattr(BACKENDS[kernels.backend], "source", False))
 
     def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
         """One linear over the weights `names` stacked along the output dimension."""
@@ -228,7 +234,7 @@ def build_model(
             own.append(names[0])
             parts = (torch.cat(p).to(device) for p in zip(*found))  # codes, scale, zero
             return backend.from_codes(*parts, bias, dtype)
-        weight = torch.cat([need(n) for n in names]) if len(names) > 1 else need(names[0])
+        weight = torch.cat([source(n) for n in names]) if len(names) > 1 else source(names[0])
         return quantized(make_linear(kernels, weight, bias, dtype), weight, names[0])
 
     errors: dict[str, float] = {}
@@ -269,7 +275,8 @@ def build_model(
         head = quantized(int8(head_weight, None, dtype), head_weight, "lm_head.weight")
         kernels.reasons.append(f"the LM head has no 4-bit codes in the checkpoint: int8 per channel ({int8.name})")
     elif head is None:
-        head = quantized(make_linear(kernels, head_weight, None, dtype), head_weight, "lm_head.weight")
+        head_source = source("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+        head = quantized(make_linear(kernels, head_source, None, dtype), head_weight, "lm_head.weight")
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head_weight, kernels, head)
     if errors:
         worst = max(errors, key=errors.get)
