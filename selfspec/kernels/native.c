@@ -26,7 +26,7 @@
 #include <omp.h>
 #endif
 #include <stdint.h>
-#ifdef __AVX2__
+#ifdef __AVX__ /* AVX alone too: dot8's horizontal adds */
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__F16C__)
