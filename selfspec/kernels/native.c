@@ -1254,6 +1254,55 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
 }
 #endif
 
+#ifdef __AVX512F__
+#define REBUILT 1
+/* A prompt's many row tiles each rebuilding a code panel: instead the panel is rebuilt once (the same
+ * float32 weights, rounded to bfloat16 into pair rows for PANELS_PAIR_CODES*) into `dst`, laid out as
+ * panel_tile's float32 panel or pair_tile's pair panel, which then run every tile: the same products in
+ * the same order, so the same bits. */
+static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, void *dst) {
+    int64_t block = code_block(bits);
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int64_t g = 0; g < in / CODE_GROUP; g++) {
+        const uint8_t *b = w + g * block;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), m = _mm512_setzero_ps();
+        if (bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
+        if (pairs) {
+            d = _mm512_permutexvar_ps(low, d), m = _mm512_permutexvar_ps(low, m);
+        }
+        __m512 d2 = pairs ? _mm512_permutexvar_ps(high, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b))) : d;
+        __m512 m2 = pairs && bits == 4
+                        ? _mm512_permutexvar_ps(high, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES))))
+                        : m;
+        for (int t = 0; t < CODE_GROUP / 2; t++) { /* rows 2t and 2t + 1 (pairs: one pair row) */
+            __m512 w0, w1;
+            if (bits == 4) {
+                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
+                w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
+                w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d2, m2);
+            } else {
+                const uint8_t *c = b + SCALES + 32 * t;
+                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), d);
+                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), d2);
+            }
+#ifdef __AVX512BF16__
+            if (pairs) {
+                _mm512_storeu_si512((uint16_t *)dst + (g * CODE_GROUP / 2 + t) * 2 * PANEL, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+                continue;
+            }
+#endif
+            _mm512_storeu_ps((float *)dst + (g * CODE_GROUP + 2 * t) * PANEL, w0);
+            _mm512_storeu_ps((float *)dst + (g * CODE_GROUP + 2 * t + 1) * PANEL, w1);
+        }
+    }
+}
+#else
+#define REBUILT 0
+static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, void *dst) {
+    (void)w, (void)in, (void)bits, (void)pairs, (void)dst;
+}
+#endif
+
 enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANELS_PAIR_CODES4, PANELS_PAIR_CODES8 }; /* the layouts over_panels runs */
 
 /* One tile of `layout` with np and n known to the compiler (each case unrolled on its own). */
@@ -1266,12 +1315,12 @@ enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANE
 #define PAIR_CODE_TILE(np, n, bits) (void)0
 #endif
 #define TILE(np, n)                                                                                                   \
-    (layout == PANELS_PAIRS    ? PAIR_TILE(np, n)                                                                     \
-     : layout == PANELS_PAIR_CODES4 ? PAIR_CODE_TILE(np, n, 4)                                                        \
-     : layout == PANELS_PAIR_CODES8 ? PAIR_CODE_TILE(np, n, 8)                                                        \
-     : layout == PANELS_CODES4 ? code_tile(xr, wp, yr, in, out, cols, np, n, 4, next, step)                          \
-     : layout == PANELS_CODES8 ? code_tile(xr, wp, yr, in, out, cols, np, n, 8, next, step)                          \
-     : layout == PANELS_BF16   ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                         \
+    (kind == PANELS_PAIRS    ? PAIR_TILE(np, n)                                                                     \
+     : kind == PANELS_PAIR_CODES4 ? PAIR_CODE_TILE(np, n, 4)                                                        \
+     : kind == PANELS_PAIR_CODES8 ? PAIR_CODE_TILE(np, n, 8)                                                        \
+     : kind == PANELS_CODES4 ? code_tile(xr, wp, yr, in, out, cols, np, n, 4, next, step)                          \
+     : kind == PANELS_CODES8 ? code_tile(xr, wp, yr, in, out, cols, np, n, 8, next, step)                          \
+     : kind == PANELS_BF16   ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                         \
                              : panel_tile(xr, wp, yr, in, out, cols, np, n, 0, next, step))
 
 /* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
@@ -1302,6 +1351,8 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
     for (int64_t r = 0; r < rows; tiles++) r += layout_rows(rows - r, layout == PANELS_F32);
     int stream = tiles > 1 && tiles <= STREAM_TILES;
     int64_t step = stream ? (int64_t)((bytes / (size_t)in) << 16) / tiles : 0;
+    int pairs = layout == PANELS_PAIR_CODES4 || layout == PANELS_PAIR_CODES8;
+    int rebuild = REBUILT && codes && tiles > STREAM_TILES; /* a prompt's code panels, each rebuilt once */
     (void)xb;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < (panels + span - 1) / span; g++)
@@ -1310,6 +1361,13 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
             const void *wp = (const char *)w + p * bytes;
             int64_t cols = out - p * PANEL;
             const char *following = stream && p + 1 < panels ? (const char *)wp + bytes : NULL;
+            int kind = layout; /* the layout the tiles read */
+            void *own = NULL;
+            if (rebuild && np == 1) {
+                own = aligned_alloc(64, (size_t)(in * PANEL) * (pairs ? 2 : 4));
+                rebuild_panel(wp, in, codes, pairs, own);
+                wp = own, kind = pairs ? PANELS_PAIRS : PANELS_F32;
+            }
             for (int64_t r = 0, t = 0; r < rows; t++) {
                 int n = layout_rows(rows - r, layout == PANELS_F32);
                 const float *xr = x + r * in;
@@ -1320,6 +1378,7 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
                 else BY_ROWS(n, TILE, 1);
                 r += n;
             }
+            free(own);
             p += np;
         }
 }
