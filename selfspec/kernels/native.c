@@ -1235,10 +1235,9 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
                     wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), dl, ml);
                     wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), dh, mh);
                 } else {
-                    const uint8_t *c = b + SCALES + 32 * t;
-                    wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), dl);
-                    wh = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), dh);
+                    const __m128i *c = (const __m128i *)(b + SCALES + 32 * t);
+                    wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), dl);
+                    wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), dh);
                 }
                 __m512bh wt = _mm512_cvtne2ps_pbh(wh, wl); /* columns 0-7 from wl, 8-15 from wh */
                 prefetch_next(next, g * CODE_GROUP + 2 * t, step);
@@ -1262,32 +1261,30 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
  * the same order, so the same bits. */
 static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, void *dst) {
     int64_t block = code_block(bits);
-    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    /* pairs: lane k of a pair row's first half is column k / 2, of its second 8 + k / 2 (pair_code_tile) */
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int64_t g = 0; g < in / CODE_GROUP; g++) {
         const uint8_t *b = w + g * block;
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), m = _mm512_setzero_ps();
         if (bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
-        if (pairs) {
-            d = _mm512_permutexvar_ps(low, d), m = _mm512_permutexvar_ps(low, m);
-        }
-        __m512 d2 = pairs ? _mm512_permutexvar_ps(high, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b))) : d;
-        __m512 m2 = pairs && bits == 4
-                        ? _mm512_permutexvar_ps(high, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES))))
-                        : m;
+        __m512 d0 = pairs ? _mm512_permutexvar_ps(low, d) : d, d1 = pairs ? _mm512_permutexvar_ps(high, d) : d;
+        __m512 m0 = pairs ? _mm512_permutexvar_ps(low, m) : m, m1 = pairs ? _mm512_permutexvar_ps(high, m) : m;
         for (int t = 0; t < CODE_GROUP / 2; t++) { /* rows 2t and 2t + 1 (pairs: one pair row) */
             __m512 w0, w1;
             if (bits == 4) {
                 __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
-                w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
-                w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d2, m2);
+                w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d0, m0);
+                w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d1, m1);
             } else {
-                const uint8_t *c = b + SCALES + 32 * t;
-                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), d);
-                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)))), d2);
+                const __m128i *c = (const __m128i *)(b + SCALES + 32 * t);
+                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), d0);
+                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), d1);
             }
 #ifdef __AVX512BF16__
-            if (pairs) {
-                _mm512_storeu_si512((uint16_t *)dst + (g * CODE_GROUP / 2 + t) * 2 * PANEL, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+            if (pairs) { /* pair row g * 16 + t */
+                __m512i row = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+                _mm512_storeu_si512((uint16_t *)dst + (g * CODE_GROUP / 2 + t) * 2 * PANEL, row);
                 continue;
             }
 #endif
@@ -1303,7 +1300,8 @@ static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, voi
 }
 #endif
 
-enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANELS_PAIR_CODES4, PANELS_PAIR_CODES8 }; /* the layouts over_panels runs */
+/* the layouts over_panels runs */
+enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANELS_PAIR_CODES4, PANELS_PAIR_CODES8 };
 
 /* One tile of `layout` with np and n known to the compiler (each case unrolled on its own). */
 #ifdef __AVX512BF16__
@@ -1315,13 +1313,13 @@ enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANE
 #define PAIR_CODE_TILE(np, n, bits) (void)0
 #endif
 #define TILE(np, n)                                                                                                   \
-    (kind == PANELS_PAIRS    ? PAIR_TILE(np, n)                                                                     \
-     : kind == PANELS_PAIR_CODES4 ? PAIR_CODE_TILE(np, n, 4)                                                        \
-     : kind == PANELS_PAIR_CODES8 ? PAIR_CODE_TILE(np, n, 8)                                                        \
-     : kind == PANELS_CODES4 ? code_tile(xr, wp, yr, in, out, cols, np, n, 4, next, step)                          \
-     : kind == PANELS_CODES8 ? code_tile(xr, wp, yr, in, out, cols, np, n, 8, next, step)                          \
-     : kind == PANELS_BF16   ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                         \
-                             : panel_tile(xr, wp, yr, in, out, cols, np, n, 0, next, step))
+    (kind == PANELS_PAIRS         ? PAIR_TILE(np, n)                                                                  \
+     : kind == PANELS_PAIR_CODES4 ? PAIR_CODE_TILE(np, n, 4)                                                          \
+     : kind == PANELS_PAIR_CODES8 ? PAIR_CODE_TILE(np, n, 8)                                                          \
+     : kind == PANELS_CODES4      ? code_tile(xr, wp, yr, in, out, cols, np, n, 4, next, step)                        \
+     : kind == PANELS_CODES8      ? code_tile(xr, wp, yr, in, out, cols, np, n, 8, next, step)                        \
+     : kind == PANELS_BF16        ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                       \
+                                   : panel_tile(xr, wp, yr, in, out, cols, np, n, 0, next, step))
 
 /* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
  * panels): groups of 1-4 panels split over the threads (4 for one row, 2 for 2-3 rows or for 2 of

@@ -7,7 +7,7 @@ each output column, a scale d with a float16's precision, an offset m and codes 
 rounds to exactly the stored float32 (or q * d, for 8-bit codes), checks every weight's bits, and keeps
 the codes: native.c rebuilds each weight in registers and sums exactly as `native` does on the float32
 panels, so the output bits are `native`'s, from 0.625 or 1.0625 bytes a weight. A weight that is not
-exactly such codes (a model that never was 4- or 8-bit) stays in float32 panels.
+exactly such codes (a model that never was 4- or 8-bit) stays in `native`'s panels.
 
 A bfloat16 model's weights are these float32 values rounded to bfloat16. Where the CPU has AVX512-BF16
 they are kept as the same codes in pair panels' order (`linear_pair_codes`): rebuilt in float32, rounded
@@ -57,9 +57,9 @@ class NativeCodes(NativeFloat):
         return self.panels.numel() * self.panels.element_size()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """A prompt's rows on the codes too: torch's GEMM would need the weight rebuilt first, every prompt
-        (the default model in bf16, AMD EPYC Zen 4, 2 threads, best of 3: a 100 / 800-token prefill
-        354 / 1269 ms that way against 132 / 1161 on the codes; native's bf16 GEMM 116 / 901)."""
+        """A prompt's rows on the codes too (native.c rebuilds each panel once for them): torch's GEMM would
+        need the whole weight rebuilt first, every prompt (the default model in bf16, AMD EPYC Zen 4, 2
+        threads, best of 3: a 100-token prefill 354 ms that way against 132 on the codes)."""
         if self.kind not in BITS:
             return super().matmul(x)
         return native.NativeLinear.matmul(self, x)
