@@ -63,7 +63,7 @@ def test_codes_rebuild_the_float_weights_bit_for_bit(kind, codes, dtype):
     assert torch.equal(lin.matmul(prompt), native.NativeLinear.matmul(ref, prompt))
 
 
-def test_a_weight_that_never_was_quantized_stays_float32():
+def test_a_weight_that_never_was_quantized_stays_on_native_panels():
     w = torch.randn(48, 64, generator=torch.Generator().manual_seed(2))
     lin = NativeCodes(w, None, torch.float32)
     assert lin.kind == "float32"
