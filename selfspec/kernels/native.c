@@ -883,6 +883,16 @@ static inline __attribute__((always_inline)) void prefetch_next(const char *next
 #undef TILE_ROWS
 #define TILE_ROWS 8
 
+/* A tile's accumulators (np panels by n rows) -> y, the columns past `cols` left out. */
+static inline __attribute__((always_inline)) void store_tile(float *y, int64_t out, int64_t cols,
+                                                             __m512 (*acc)[TILE_ROWS], int np, int n) {
+    for (int p = 0; p < np; p++) {
+        int64_t c = cols - p * PANEL;
+        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
+        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
+    }
+}
+
 /* Panel row i: 16 weights as float32 (a bfloat16 one widened). */
 static inline __m512 panel16(const void *panel, int64_t i, int bf) {
     if (!bf) return _mm512_loadu_ps((const float *)panel + i * PANEL);
@@ -906,11 +916,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, con
             prefetch_next(next, i, step);
             for (int r = 0; r < n; r++) acc[p][r] = _mm512_fmadd_ps(wi, _mm512_set1_ps(x[r * in + i]), acc[p][r]);
         }
-    for (int p = 0; p < np; p++) {
-        int64_t c = cols - p * PANEL;
-        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
-        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
-    }
+    store_tile(y, out, cols, acc, np, n);
 }
 #else
 /* Half `h` of panel row i: 8 weights as float32 (a bfloat16 one widened). */
@@ -1033,11 +1039,7 @@ static inline __attribute__((always_inline)) void pair_tile(const int32_t *x, co
             for (int r = 0; r < n; r++)
                 acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wj, (__m512bh)_mm512_set1_epi32(x[r * half + j]));
         }
-    for (int p = 0; p < np; p++) {
-        int64_t c = cols - p * PANEL;
-        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
-        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
-    }
+    store_tile(y, out, cols, acc, np, n);
 }
 #endif
 
@@ -1079,6 +1081,37 @@ static inline void prefetch_block(const uint8_t *b, int64_t bytes) {
 }
 
 #ifdef __AVX512F__
+/* A block's scales d and offsets m (0 for CODES8) for the two halves of its rows: each half all 16
+ * columns (float32 panels), or, pairs, lane k column k / 2 in the first half and 8 + k / 2 in the second
+ * (pair_code_tile). */
+typedef struct {
+    __m512 d0, m0, d1, m1;
+} block_scales;
+static inline __attribute__((always_inline)) block_scales scales_of(const uint8_t *b, int bits, int pairs) {
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), m = _mm512_setzero_ps();
+    if (bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
+    if (!pairs) return (block_scales){d, m, d, m};
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    return (block_scales){_mm512_permutexvar_ps(low, d), _mm512_permutexvar_ps(low, m), _mm512_permutexvar_ps(high, d),
+                          _mm512_permutexvar_ps(high, m)};
+}
+
+/* Rows 2t and 2t + 1 of block b rebuilt in float32 (CODES4: byte j's low and high nibble; CODES8: bytes
+ * 0-15 and 16-31): q * d + m, exact up to the one rounding to the checkpoint's float32. */
+static inline __attribute__((always_inline)) void rebuild_rows(const uint8_t *b, int t, int bits, block_scales s,
+                                                               __m512 *w0, __m512 *w1) {
+    if (bits == 4) {
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
+        *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), s.d0, s.m0);
+        *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), s.d1, s.m1);
+    } else {
+        const __m128i *c = (const __m128i *)(b + SCALES + 32 * t);
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), s.d0);
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), s.d1);
+    }
+}
+
 /* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile. */
 static inline __attribute__((always_inline)) void code_tile(const float *x, const uint8_t *w, float *y, int64_t in,
                                                             int64_t out, int64_t cols, int np, int n, int bits,
@@ -1092,13 +1125,11 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
             const uint8_t *b = w + p * bytes + g * block;
             const float *xg = x + g * CODE_GROUP;
             prefetch_block(b, block);
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+            block_scales sc = scales_of(b, bits, 0);
             if (bits == 4) {
-                __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
                 for (int t = 0; t < CODE_GROUP / 2; t++) {
-                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
-                    __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d, m);
-                    __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d, m);
+                    __m512 w0, w1;
+                    rebuild_rows(b, t, 4, sc, &w0, &w1);
                     prefetch_next(next, g * CODE_GROUP + 2 * t, step);
                     for (int r = 0; r < n; r++) {
                         acc[p][r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xg[r * in + 2 * t]), acc[p][r]);
@@ -1108,17 +1139,13 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
             } else
                 for (int t = 0; t < CODE_GROUP; t++) {
                     __m128i c = _mm_loadu_si128((const __m128i *)(b + SCALES + 16 * t));
-                    __m512 wt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d);
+                    __m512 wt = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), sc.d0);
                     prefetch_next(next, g * CODE_GROUP + t, step);
                     for (int r = 0; r < n; r++)
                         acc[p][r] = _mm512_fmadd_ps(wt, _mm512_set1_ps(xg[r * in + t]), acc[p][r]);
                 }
         }
-    for (int p = 0; p < np; p++) {
-        int64_t c = cols - p * PANEL;
-        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
-        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
-    }
+    store_tile(y, out, cols, acc, np, n);
 }
 #else
 /* 8 int8 codes -> floats. */
@@ -1215,8 +1242,6 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
                                                                  int bits, const char *next, int64_t step) {
     __m512 acc[4][TILE_ROWS];
     int64_t groups = in / CODE_GROUP, block = code_block(bits), bytes = groups * block, half = in / 2;
-    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0); /* lane k: column k / 2 */
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int p = 0; p < np; p++)
         for (int r = 0; r < n; r++) acc[p][r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++)
@@ -1224,32 +1249,17 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
             const uint8_t *b = w + p * bytes + g * block;
             const int32_t *xg = x + g * CODE_GROUP / 2;
             prefetch_block(b, block);
-            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), m = _mm512_setzero_ps();
-            if (bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
-            __m512 dl = _mm512_permutexvar_ps(low, d), dh = _mm512_permutexvar_ps(high, d);
-            __m512 ml = _mm512_permutexvar_ps(low, m), mh = _mm512_permutexvar_ps(high, m);
+            block_scales sc = scales_of(b, bits, 1);
             for (int t = 0; t < CODE_GROUP / 2; t++) {
                 __m512 wl, wh;
-                if (bits == 4) {
-                    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
-                    wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), dl, ml);
-                    wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), dh, mh);
-                } else {
-                    const __m128i *c = (const __m128i *)(b + SCALES + 32 * t);
-                    wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), dl);
-                    wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), dh);
-                }
+                rebuild_rows(b, t, bits, sc, &wl, &wh);
                 __m512bh wt = _mm512_cvtne2ps_pbh(wh, wl); /* columns 0-7 from wl, 8-15 from wh */
                 prefetch_next(next, g * CODE_GROUP + 2 * t, step);
                 for (int r = 0; r < n; r++)
                     acc[p][r] = _mm512_dpbf16_ps(acc[p][r], wt, (__m512bh)_mm512_set1_epi32(xg[r * half + t]));
             }
         }
-    for (int p = 0; p < np; p++) {
-        int64_t c = cols - p * PANEL;
-        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
-        for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
-    }
+    store_tile(y, out, cols, acc, np, n);
 }
 #endif
 
@@ -1261,26 +1271,12 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
  * the same order, so the same bits. */
 static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, void *dst) {
     int64_t block = code_block(bits);
-    /* pairs: lane k of a pair row's first half is column k / 2, of its second 8 + k / 2 (pair_code_tile) */
-    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int64_t g = 0; g < in / CODE_GROUP; g++) {
         const uint8_t *b = w + g * block;
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)), m = _mm512_setzero_ps();
-        if (bits == 4) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + SCALES)));
-        __m512 d0 = pairs ? _mm512_permutexvar_ps(low, d) : d, d1 = pairs ? _mm512_permutexvar_ps(high, d) : d;
-        __m512 m0 = pairs ? _mm512_permutexvar_ps(low, m) : m, m1 = pairs ? _mm512_permutexvar_ps(high, m) : m;
+        block_scales sc = scales_of(b, bits, pairs);
         for (int t = 0; t < CODE_GROUP / 2; t++) { /* rows 2t and 2t + 1 (pairs: one pair row) */
             __m512 w0, w1;
-            if (bits == 4) {
-                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 * SCALES + 16 * t)));
-                w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), d0, m0);
-                w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), d1, m1);
-            } else {
-                const __m128i *c = (const __m128i *)(b + SCALES + 32 * t);
-                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c))), d0);
-                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(c + 1))), d1);
-            }
+            rebuild_rows(b, t, bits, sc, &w0, &w1);
 #ifdef __AVX512BF16__
             if (pairs) { /* pair row g * 16 + t */
                 __m512i row = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
