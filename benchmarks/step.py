@@ -5,8 +5,9 @@ KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
                               [--ops fused,eager] [--contexts 300] [--steps 40] [--repeats 5]
                               [--threads 2] [--out benchmarks/results/step]
 
-A step is one forward of `k` query tokens after a `context`-token prompt plus the logits a decoder reads
-(the last row for k = 1, every row for a k-token verification), then a rollback to the prompt's end.
+A step is one forward of `k` query tokens after a `context`-token prompt plus the argmax a greedy decoder
+reads (DecoderModel.greedy; the last row for k = 1, every row for a k-token verification), then a
+rollback to the prompt's end.
 Attention's share grows with the context (a RAG prompt is ~1000 tokens).
 "Rest" is timed with every linear replaced by a preallocated zero tensor of its output shape
 (calibration.roofline.zero_linears, which `selfspec roofline` uses too), "linears" is the full step
@@ -48,7 +49,7 @@ def step_fn(model, k: int, context: int = 300):
 
     def step() -> None:
         h = model.forward(tokens, cache, [seq])  # [1, k, hidden]
-        model.logits(h[:, rows])
+        model.greedy(h[:, rows])
         cache.truncate(seq, context)
 
     return step

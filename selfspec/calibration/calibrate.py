@@ -199,7 +199,9 @@ def time_costs(
                 return argmax(net.logits(h))
             if head and end in (heads or {}):
                 return argmax(heads[end].draft(h, b, cache))
-            return argmax(model.logits(h)) if head else h
+            # the target's head as a greedy round runs it (its argmax alone: DecoderModel.greedy); a sampled
+            # round computes every logit, so its c is somewhat below the one timed here
+            return model.greedy(h) if head else h
 
         def drafted(copy: DecoderModel) -> None:
             # DRAFTED greedy tokens as a round drafts them (QuantizedDrafter: one native call for a lone
@@ -211,7 +213,7 @@ def time_costs(
             forward(1, 0, n, head=False)  # the last draft token's pass through [0, N)
             x = torch.zeros(1, gamma + 1, model.config.hidden_size, dtype=model.dtype)
             h = model.forward(x, cache, [seq], start=n, starts=[base])
-            argmax(model.logits(h))
+            model.greedy(h)
 
         once(step)  # warm-up
         full = statistics.median(once(step) for _ in range(repeats))

@@ -111,8 +111,11 @@ def run_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Rou
 
 def plain_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> RoundResult:
     h = model.forward(torch.tensor(step.last, device=model.device)[:, None], cache, step.seqs)  # [B, 1, hidden]
-    logits = model.logits(h[:, -1])  # [B, vocab] raw: logprobs are taken from these
     rows = len(step.seqs)
+    if _argmax_only(step):
+        ids = model.greedy(h[:, -1])  # [B]
+        return RoundResult([[t] for t in ids.tolist()], [0] * rows, [0] * rows)
+    logits = model.logits(h[:, -1])  # [B, vocab] raw: logprobs are taken from these
     judged = logits if step.penalties is None else step.penalties.step(logits, list(range(rows)), [[]] * rows)
     ids, _ = sample_rows(judged, step.params, step.generators)  # [B]
     tokens = [[t] for t in ids.tolist()]  # one read from the device
@@ -131,16 +134,27 @@ def speculative_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput
     # Verification: inputs [last, d_1 .. d_γ] at positions p0 .. p0 + γ. The logits at index i are the
     # target's distribution for position p0 + i + 1: they judge draft d_{i+1}; index γ gives the bonus.
     h = model.forward(x, cache, step.seqs, start=draft.resume, counts=counts, starts=p0)  # [B, γ_max + 1, hidden]
-    target_logits = model.logits(h)  # [B, γ_max + 1, vocab] raw: logprobs are taken from these
-    judged = target_logits if step.penalties is None else step.penalties.verify(target_logits, draft.tokens)
-    result = _accept(draft.tokens, draft.probs, judged, step.params, step.generators)
+    if _argmax_only(step):
+        target_logits = None
+        draft_ids, caps = _padded(draft.tokens, h.device, h.shape[1] - 1)  # [B, γ_max], [B]
+        result = greedy_accept(draft_ids, model.greedy(h), caps)
+    else:
+        target_logits = model.logits(h)  # [B, γ_max + 1, vocab] raw: logprobs are taken from these
+        judged = target_logits if step.penalties is None else step.penalties.verify(target_logits, draft.tokens)
+        result = _accept(draft.tokens, draft.probs, judged, step.params, step.generators)
     tokens, accepted = result.rows()
     for b, seq in enumerate(step.seqs):
         cache.truncate(seq, p0[b] + accepted[b] + 1)  # rollback = a length edit
     drafted_per_row = [len(d) for d in draft.tokens]
-    logprobs = _logprobs(target_logits, tokens, step.params)
+    logprobs = None if target_logits is None else _logprobs(target_logits, tokens, step.params)
     seconds = time.perf_counter() - drafted
     return RoundResult(tokens, accepted, drafted_per_row, drafted - start, seconds, logprobs)
+
+
+def _argmax_only(step: RoundInput) -> bool:
+    """Every row greedy, unpenalized and without logprobs: the round needs only the target's argmax
+    (DecoderModel.greedy), not its logits."""
+    return step.penalties is None and all(p.greedy and p.logprobs is None for p in step.params)
 
 
 def _logprobs(
@@ -164,6 +178,13 @@ def _token_inputs(last: list[int], drafts: list[list[int]], device: torch.device
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+def _padded(drafts: list[list[int]], device: torch.device, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row d_1..d_γb -> (draft ids [B, width] padded with 0; caps [B]: each row's own γ_b)."""
+    caps = torch.tensor([len(d) for d in drafts], device=device)  # [B]
+    padded = [d + [0] * (width - len(d)) for d in drafts]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(drafts), width), caps
+
+
 def _accept(
     drafts: list[list[int]],
     probs: list[list[torch.Tensor]],
@@ -175,9 +196,7 @@ def _accept(
     [B, γ_max + 1, vocab]. Rows are padded to γ_max and capped at their own γ_b."""
     rows, vocab = target_logits.shape[0], target_logits.shape[-1]
     width, dev = target_logits.shape[1] - 1, target_logits.device
-    caps = torch.tensor([len(d) for d in drafts], device=dev)  # [B]
-    padded = [d + [0] * (width - len(d)) for d in drafts]
-    draft_ids = torch.tensor(padded, dtype=torch.long, device=dev).view(rows, width)  # [B, γ_max], padded with 0
+    draft_ids, caps = _padded(drafts, dev, width)
     if all(p.greedy for p in params):
         return greedy_accept(draft_ids, argmax(target_logits), caps)
     q = torch.zeros(rows, width, vocab, device=dev)  # [B, γ_max, vocab]; padding stays zero, so residual = p there

@@ -51,6 +51,12 @@ class Linear(ABC):
     def nbytes(self) -> int:
         """Bytes a forward reads for this weight (its stored form, scales included)."""
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., in] -> [...] int64: each row's argmax of this linear's output, in the activations' dtype,
+        the first of equal maxima (as torch.argmax), where the backend finds it without every output (an LM
+        head under greedy decoding); None where it cannot."""
+        return None
+
     def dequantized(self) -> torch.Tensor:
         """[out, in] float32: the weight this backend multiplies by, whatever its stored form (for
         tests, error reports and draft-head initialisation)."""

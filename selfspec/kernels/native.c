@@ -1846,6 +1846,186 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
 }
 #endif
 
+/* ---- the greedy head: each row's argmax without every logit ----------------------------------------------
+ * A greedy step needs only the argmax of the LM head's logits, and the head is a step's largest linear
+ * (the default model's: 49152 x 576 8-bit codes, ~1 ms of a ~7 ms float32 step). For a head of CODES8
+ * panels (float32 or, pairs, bfloat16 ones), greedy_codes8 finds the argmax the full logits give, ties to
+ * the lowest index, from a cheaper pass that bounds every logit:
+ *   1. Each row's x is quantized to int8 per block of 32 (quantize_i8: x ~ d q, |x - d q| <= d / 2 up to
+ *      the rounding of 1 / d) and multiplied with the head's own codes in int32 (vpdpbusd, VNNI), so
+ *      A_j = sum over blocks of d_x d_w (q . c) approximates logit j, and
+ *        |A_j - logit_j| <= B_j = sum over blocks of e d_x W1_jb,  W1_jb = sum over the block of |w_ji|
+ *      (`bound`: float16 per column and block, rounded up), e = 0.5002 + 127.01 slack: the quantization's
+ *      half step plus `slack` times sum |x| |w| (127 d_x >= the block's max |x|) for the float rounding of
+ *      the exact logit and of A (float32: 576 products sum to within 576 * 2^-24 ~ 3.4e-5 of that; bfloat16
+ *      also rounds each rebuilt weight by up to 2^-9 of itself).
+ *   2. T = max_j (A_j - B_j) is at most the largest logit; a column whose A_j + B_j < T is below it and is
+ *      not the argmax (with bfloat16 logits: its rounded logit is below the rounded largest, so it ties
+ *      with nothing either). The rest, the candidates (mostly 1-5 columns of 49152 on the default model),
+ *      are computed exactly: their panels by code_tile / pair_code_tile, the kernel linear_codes runs, so
+ *      the same bits (row-exact), and the argmax is taken over them.
+ * A row with non-finite x, or more than GREEDY_PANELS candidate panels, computes every logit instead.
+ * Needs AVX512-VBMI (vpermb puts a column's 4 codes in one 32-bit lane) and VNNI; greedy_head() says
+ * whether this build has them. */
+#if defined(DOT_I8) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GREEDY 1
+#define GREEDY_ROWS 4    /* rows sharing each read of the codes in the bounding pass */
+#define GREEDY_PANELS 64 /* candidate panels past which a row computes every logit */
+#ifndef GREEDY_AHEAD
+#define GREEDY_AHEAD 2048 /* bytes the bounding pass prefetches ahead of its reads */
+#endif
+/* `slack` above: float32 logits need 3.4e-5, bfloat16 ones 2^-9 (~1.95e-3) more; ~1.5-3x that */
+#define GREEDY_SLACK_F32 1e-4f
+#define GREEDY_SLACK_BF16 3e-3f
+#ifdef __AVX512BF16__
+#define PAIRS_ONLY(...) __VA_ARGS__
+#else
+#define PAIRS_ONLY(...) /* pair panels need AVX512-BF16: native_codes.py makes none without it */
+#endif
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out);
+
+/* vpermb's indices for a 64-byte chunk of a CODES8 block (4 inputs of 16 columns) -> byte 4 o + t holding
+ * column o's code for the chunk's input t. Float32 panels: input t's row is bytes 16 t .. 16 t + 15.
+ * Pair panels (_lanes in native_codes.py): row R = 2 (t / 2) + o / 8, lane 2 (o % 8) + t % 2. */
+static __m512i chunk_order(int pairs) {
+    uint8_t at[64];
+    for (int o = 0; o < PANEL; o++)
+        for (int t = 0; t < 4; t++)
+            at[4 * o + t] = (uint8_t)(pairs ? 16 * (2 * (t / 2) + o / 8) + 2 * (o % 8) + t % 2 : 16 * t + o);
+    return _mm512_loadu_si512((const void *)at);
+}
+
+/* W1 for greedy_codes8: per panel, group and column, sum |w| = d sum |c| over the group (exact in float32:
+ * an 11-bit d times at most 32 * 127), as float16 rounded up -> bound [panels, in / 32, 16]. */
+void greedy_bound(const uint8_t *w, int64_t in, int64_t out, int pairs, uint16_t *bound) {
+    int64_t groups = in / CODE_GROUP, block = code_block(8), panels = (out + PANEL - 1) / PANEL;
+    const __m512i order = chunk_order(pairs), ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < panels * groups; b++) {
+        const uint8_t *blk = w + b * block;
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) { /* |c| as unsigned bytes (|-128| = 128 too) times 1, 4 to a lane */
+            __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512((const void *)(blk + SCALES + 64 * j)));
+            sum = _mm512_dpbusd_epi32(sum, _mm512_abs_epi8(c), ones);
+        }
+        __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
+        _mm256_storeu_si256((__m256i *)(bound + b * PANEL), _mm512_cvtps_ph(w1, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+    }
+}
+
+/* Step 1 above, per row and panel: low = the largest A - B, high = the largest A + B of its columns
+ * (those < out), each [rows, panels]. */
+static void greedy_bounds(const int8_t *qx, const float *d, const int32_t *qsum, const uint8_t *w,
+                          const uint16_t *bound, float *low, float *high, int64_t rows, int64_t in, int64_t out,
+                          int pairs, float e, int threads) {
+    int64_t groups = in / CODE_GROUP, block = code_block(8), panels = (out + PANEL - 1) / PANEL;
+    const __m512i order = chunk_order(pairs), flip = _mm512_set1_epi8((char)0x80);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t r0 = 0; r0 < rows; r0 += GREEDY_ROWS) {
+            int n = rows - r0 < GREEDY_ROWS ? (int)(rows - r0) : GREEDY_ROWS;
+            __m512 a[GREEDY_ROWS], b[GREEDY_ROWS];
+            for (int r = 0; r < n; r++) a[r] = b[r] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *blk = w + (p * groups + g) * block;
+                for (int64_t l = 0; l < block; l += 64) __builtin_prefetch(blk + l + GREEDY_AHEAD, 0, 3);
+                __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+                __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bound + (p * groups + g) * PANEL)));
+                __m512i u[8]; /* codes + 128 as unsigned bytes: vpdpbusd's unsigned side */
+                for (int j = 0; j < 8; j++)
+                    u[j] = _mm512_xor_si512(
+                        _mm512_permutexvar_epi8(order, _mm512_loadu_si512((const void *)(blk + SCALES + 64 * j))),
+                        flip);
+                for (int r = 0; r < n; r++) {
+                    int64_t at = (r0 + r) * groups + g;
+                    const int32_t *xq = (const int32_t *)(qx + (r0 + r) * in + g * CODE_GROUP);
+                    __m512i acc = _mm512_set1_epi32(-128 * qsum[at]); /* sum (c + 128) q = sum c q + 128 sum q */
+                    for (int j = 0; j < 8; j++) acc = _mm512_dpbusd_epi32(acc, u[j], _mm512_set1_epi32(xq[j]));
+                    a[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dw, _mm512_set1_ps(d[at])), a[r]);
+                    b[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(e * d[at]), b[r]);
+                }
+            }
+            __mmask16 real = out - p * PANEL >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << (out - p * PANEL)) - 1);
+            const __m512 none = _mm512_set1_ps(-INFINITY);
+            for (int r = 0; r < n; r++) {
+                low[(r0 + r) * panels + p] = _mm512_reduce_max_ps(_mm512_mask_sub_ps(none, real, a[r], b[r]));
+                high[(r0 + r) * panels + p] = _mm512_reduce_max_ps(_mm512_mask_add_ps(none, real, a[r], b[r]));
+            }
+        }
+}
+
+/* The largest bfloat16 value below bfloat16 t (t finite): anything under it rounds below t. */
+static float bf16_below(float t) {
+    uint16_t u = float_to_bf16(t);
+    if ((u & 0x7fff) == 0) return bf16_to_float(0x8001); /* +-0: the negative least subnormal */
+    return bf16_to_float(u & 0x8000 ? (uint16_t)(u + 1) : (uint16_t)(u - 1));
+}
+
+/* One row's argmax over the columns of its candidate panels (their exact logits), from its low and high
+ * [panels] (greedy_bounds), or -1 when it has more than GREEDY_PANELS of them. */
+static int64_t greedy_row(const float *x, const uint16_t *xb, const uint8_t *w, const float *low, const float *high,
+                          int64_t in, int64_t out, int pairs) {
+    int64_t panels = (out + PANEL - 1) / PANEL, found[GREEDY_PANELS], count = 0;
+    float t = -INFINITY;
+    for (int64_t p = 0; p < panels; p++) t = low[p] > t ? low[p] : t;
+    if (pairs) t = bf16_below(bf16_to_float(float_to_bf16(t)));
+    for (int64_t p = 0; p < panels; p++)
+        if (high[p] >= t) {
+            if (count == GREEDY_PANELS) return -1;
+            found[count++] = p;
+        }
+    int64_t best = -1, bytes = in / CODE_GROUP * code_block(8);
+    float top = 0.0f;
+    for (int64_t i = 0; i < count; i++) { /* ascending panels and columns: ties keep the lowest index */
+        int64_t p = found[i], cols = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
+        float y[PANEL];
+        PAIRS_ONLY(if (pairs) pair_code_tile((const int32_t *)xb, w + p * bytes, y, in, PANEL, cols, 1, 1, 8, NULL, 0);
+                   else)
+        code_tile(x, w + p * bytes, y, in, PANEL, cols, 1, 1, 8, NULL, 0);
+        for (int64_t j = 0; j < cols; j++) {
+            float v = round_as(y[j], pairs);
+            if (best < 0 || v > top) best = p * PANEL + j, top = v;
+        }
+    }
+    return best;
+}
+
+/* x [rows, in] float32 (pairs: holding bfloat16 values), w: CODES8 panels (pairs: in pair order), bound:
+ * W1 as above [panels, in / 32, 16] float16 -> ids [rows]: each row's argmax of x @ W.T as linear_codes
+ * (pairs: linear_pair_codes, rounded to bfloat16) computes it, the first of equal maxima. */
+void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int64_t rows, int64_t in, int64_t out,
+                   int pairs, int threads, int64_t *ids) {
+    float slack = pairs ? GREEDY_SLACK_BF16 : GREEDY_SLACK_F32;
+    int64_t panels = (out + PANEL - 1) / PANEL;
+    float *d, *s;
+    int32_t *qsum;
+    int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
+    float *low = malloc(sizeof(float) * (size_t)(2 * rows * panels + out)), *high = low + rows * panels;
+    float *y = high + rows * panels; /* a row's every logit, where it needs them */
+    uint16_t *xb = pairs ? narrowed(x, rows * in) : NULL;
+    greedy_bounds(qx, d, qsum, w, bound, low, high, rows, in, out, pairs, 0.5002f + 127.01f * slack, threads);
+    for (int64_t r = 0; r < rows; r++) {
+        int plain = 1; /* finite, and no block so small that 1 / d overflowed in quantize_i8 */
+        for (int64_t i = 0; i < in; i++) plain &= isfinite(x[r * in + i]) != 0;
+        for (int64_t g = 0; g < in / CODE_GROUP; g++) plain &= !(d[r * in / CODE_GROUP + g] > 0.0f && d[r * in / CODE_GROUP + g] < 1e-30f);
+        ids[r] = plain ? greedy_row(x + r * in, xb ? xb + r * in : NULL, w, low + r * panels, high + r * panels, in,
+                                    out, pairs)
+                       : -1;
+        if (ids[r] >= 0) continue;
+        PAIRS_ONLY(if (pairs) linear_pair_codes(x + r * in, w, y, 1, in, out, 8, threads); else)
+        linear_codes(x + r * in, w, y, 1, in, out, 8, threads);
+        for (int64_t j = 0; pairs && j < out; j++) y[j] = round_as(y[j], 1);
+        argmax_rows(y, 1, out, ids + r);
+    }
+    free(xb);
+    free(low);
+    free(qx);
+}
+#else
+#define GREEDY 0
+#endif
+
+int greedy_head(void) { return GREEDY; }
+
 /* ---- one decoder layer in one call ---------------------------------------------------------------------
  * The same kernels as the calls above, in the order decoder._layer makes them, without the ~8 trips
  * through Python and ~8 tensor allocations per layer (each ~3-10 us here, ~2 ms a step). A row's bits

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-from ..kernels import BACKENDS, Dense, Linear
+from ..kernels import BACKENDS, Dense, Linear, native
 from ..kernels.choice import QUANTIZED, KernelPlan, plan
 from ..kernels.int4 import Int4Codes
 from .attention import AttentionBatch
@@ -157,6 +157,13 @@ class DecoderModel:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
         _, h = self.ops.add_norm(h, None, self.norm_weight, self.config.rms_norm_eps)
         return self.head(h).float()
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> [...] int64: argmax(logits(h)), the first of equal maxima, from the head's
+        own argmax where its backend has one (kernels: Linear.argmax), which skips most logits."""
+        _, x = self.ops.add_norm(h, None, self.norm_weight, self.config.rms_norm_eps)
+        ids = self.head.argmax(x)
+        return ids if ids is not None else native.argmax(self.head(x).float())
 
     def _layer(
         self,
