@@ -7,7 +7,8 @@ KV-cache writes, the paged gather, SDPA, building the pass's metadata, Python).
 
 A step is one forward of `k` query tokens after a `context`-token prompt plus the argmax a greedy decoder
 reads (DecoderModel.greedy; the last row for k = 1, every row for a k-token verification), then a
-rollback to the prompt's end.
+rollback to the prompt's end; "every logit" is the same step computing all the logits instead (a sampled
+step's head), timed alternately with it.
 Attention's share grows with the context (a RAG prompt is ~1000 tokens).
 "Rest" is timed with every linear replaced by a preallocated zero tensor of its output shape
 (calibration.roofline.zero_linears, which `selfspec roofline` uses too), "linears" is the full step
@@ -47,12 +48,12 @@ def step_fn(model, k: int, context: int = 300):
     tokens = torch.tensor([[5] * k])
     rows = slice(-1, None) if k == 1 else slice(None)
 
-    def step() -> None:
+    def step(head=model.greedy) -> None:
         h = model.forward(tokens, cache, [seq])  # [1, k, hidden]
-        model.greedy(h[:, rows])
+        head(h[:, rows])
         cache.truncate(seq, context)
 
-    return step
+    return step, lambda: step(model.logits)  # the greedy step, and one computing every logit
 
 
 def per_step_ms(step, n: int) -> float:
@@ -72,12 +73,13 @@ def measure(
     with torch.inference_mode():
         for name, n, k in ((name, n, k) for name in ops if name in glue for n in contexts for k in queries):
             model.ops = glue[name]
-            step = step_fn(model, k, n)
+            step, every = step_fn(model, k, n)
             for _ in range(30):  # warm-up: the first forwards pay for the VM's page reclaim
                 step()
-            full, rest = [], []
+            full, rest, logits = [], [], []
             for _ in range(repeats):
                 full.append(per_step_ms(step, steps))
+                logits.append(per_step_ms(every, steps))
                 with zero_linears(model):
                     step()
                     rest.append(per_step_ms(step, steps))
@@ -85,11 +87,12 @@ def measure(
             f, r = statistics.median(full), statistics.median(rest)
             rows.append(
                 {"config": config, "backend": model.kernels.backend, "ops": name, "context": n, "queries": k}
-                | {"step_ms": round(f, 2)}
+                | {"step_ms": round(f, 2), "logits_step_ms": round(statistics.median(logits), 2)}
                 | {"linears_ms": round(f - r, 2), "rest_ms": round(r, 2), "rest_runs_ms": [round(x, 2) for x in rest]}
             )
             print(
-                f"{config:18s} {name:5s} context={n} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}",
+                f"{config:18s} {name:5s} context={n} k={k}  step {f:6.2f} ms = linears {f - r:6.2f} + rest {r:5.2f}"
+                f" (every logit: {statistics.median(logits):6.2f})",
                 flush=True,
             )
     return rows
@@ -115,11 +118,11 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
     lines = [
-        "| config | backend | glue ops | context | queries | step ms | linears ms | rest ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | backend | glue ops | context | queries | step ms | step ms, every logit | linears ms | rest ms |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['config']} | {r['backend']} | {r['ops']} | {r['context']} | {r['queries']} | {r['step_ms']} "
-            f"| {r['linears_ms']} "
+            f"| {r['logits_step_ms']} | {r['linears_ms']} "
             f"| {r['rest_ms']} |"
             for r in rows
         ),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CacheFullError
+from ..kernels import pages
 from .attention import AttentionBatch
 
 NULL_BLOCK = 0  # never handed out: padded query tokens of a batch write here
@@ -45,10 +46,9 @@ class PagedKVCache:
         self.device = torch.device(device)  # the model's: the pool and every attention-metadata tensor live here
         # Per layer [k/v, kv_heads, blocks, block_size, head_dim]: one gather along dim 2 reads k and v.
         # Zero-filled so that padded (masked) keys never carry NaN into attention.
-        self.layers = [
-            torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+        # In huge pages on the CPU (kernels/pages.py): attention reads a sequence's blocks every step.
+        shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+        self.layers = pages.zeros(num_layers, shape, dtype, self.device)
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, NULL_BLOCK, -1))  # a stack: pop() hands out low ids first
         self._ids = itertools.count()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelLoadError
-from ..kernels import BACKENDS, Dense, Linear, native
+from ..kernels import BACKENDS, Dense, Linear, native, pages
 from ..kernels.choice import QUANTIZED, KernelPlan, plan
 from ..kernels.int4 import Int4Codes
 from .attention import AttentionBatch
@@ -284,6 +284,9 @@ def build_model(
     elif head is None:
         head_source = source("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
         head = quantized(make_linear(kernels, head_source, None, dtype), head_weight, "lm_head.weight")
+    # The linears' tensors in huge pages (kernels/pages.py); a draft's Shortlist head keeps the target's
+    # float head rows where they are (it reads k of them a step) and moves its coarse linear
+    pages.place([*(lin for layer in layers for lin in layer.linears()), getattr(head, "coarse", head)])
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head_weight, kernels, head)
     if errors:
         worst = max(errors, key=errors.get)
