@@ -1874,9 +1874,9 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
 #ifndef GREEDY_AHEAD
 #define GREEDY_AHEAD 2048 /* bytes the bounding pass prefetches ahead of its reads */
 #endif
-/* `slack` above: float32 logits need 3.4e-5, bfloat16 ones 2^-9 (~1.95e-3) more; ~1.5-3x that */
+/* `slack` above: float32 logits need 3.4e-5 (3x that here), bfloat16 ones 2^-9 more (1.99e-3 in all) */
 #define GREEDY_SLACK_F32 1e-4f
-#define GREEDY_SLACK_BF16 3e-3f
+#define GREEDY_SLACK_BF16 2.05e-3f
 #ifdef __AVX512BF16__
 #define PAIRS_ONLY(...) __VA_ARGS__
 #else
@@ -1960,11 +1960,10 @@ static float bf16_below(float t) {
     return bf16_to_float(u & 0x8000 ? (uint16_t)(u + 1) : (uint16_t)(u - 1));
 }
 
-/* One row's argmax over the columns of its candidate panels (their exact logits), from its low and high
- * [panels] (greedy_bounds), or -1 when it has more than GREEDY_PANELS of them. */
-static int64_t greedy_row(const float *x, const uint16_t *xb, const uint8_t *w, const float *low, const float *high,
-                          int64_t in, int64_t out, int pairs) {
-    int64_t panels = (out + PANEL - 1) / PANEL, found[GREEDY_PANELS], count = 0;
+/* A row's candidate panels (step 2 above) from its low and high [panels] (greedy_bounds) into found
+ * [GREEDY_PANELS], ascending -> their count, or -1 when there are more. */
+static int64_t candidates(const float *low, const float *high, int64_t panels, int pairs, int64_t *found) {
+    int64_t count = 0;
     float t = -INFINITY;
     for (int64_t p = 0; p < panels; p++) t = low[p] > t ? low[p] : t;
     if (pairs) t = bf16_below(bf16_to_float(float_to_bf16(t)));
@@ -1973,20 +1972,7 @@ static int64_t greedy_row(const float *x, const uint16_t *xb, const uint8_t *w, 
             if (count == GREEDY_PANELS) return -1;
             found[count++] = p;
         }
-    int64_t best = -1, bytes = in / CODE_GROUP * code_block(8);
-    float top = 0.0f;
-    for (int64_t i = 0; i < count; i++) { /* ascending panels and columns: ties keep the lowest index */
-        int64_t p = found[i], cols = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
-        float y[PANEL];
-        PAIRS_ONLY(if (pairs) pair_code_tile((const int32_t *)xb, w + p * bytes, y, in, PANEL, cols, 1, 1, 8, NULL, 0);
-                   else)
-        code_tile(x, w + p * bytes, y, in, PANEL, cols, 1, 1, 8, NULL, 0);
-        for (int64_t j = 0; j < cols; j++) {
-            float v = round_as(y[j], pairs);
-            if (best < 0 || v > top) best = p * PANEL + j, top = v;
-        }
-    }
-    return best;
+    return count;
 }
 
 /* x [rows, in] float32 (pairs: holding bfloat16 values), w: CODES8 panels (pairs: in pair order), bound:
@@ -1995,27 +1981,68 @@ static int64_t greedy_row(const float *x, const uint16_t *xb, const uint8_t *w, 
 void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int64_t rows, int64_t in, int64_t out,
                    int pairs, int threads, int64_t *ids) {
     float slack = pairs ? GREEDY_SLACK_BF16 : GREEDY_SLACK_F32;
-    int64_t panels = (out + PANEL - 1) / PANEL;
+    int64_t panels = (out + PANEL - 1) / PANEL, groups = in / CODE_GROUP, bytes = groups * code_block(8);
     float *d, *s;
     int32_t *qsum;
     int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
-    float *low = malloc(sizeof(float) * (size_t)(2 * rows * panels + out)), *high = low + rows * panels;
-    float *y = high + rows * panels; /* a row's every logit, where it needs them */
+    float *low = malloc(sizeof(float) * (size_t)(2 * rows * panels)), *high = low + rows * panels;
     uint16_t *xb = pairs ? narrowed(x, rows * in) : NULL;
     greedy_bounds(qx, d, qsum, w, bound, low, high, rows, in, out, pairs, 0.5002f + 127.01f * slack, threads);
+    /* per row its candidate panels (count[r] of them at found + r * GREEDY_PANELS; -1: every logit) */
+    int64_t *found = malloc(sizeof(int64_t) * (size_t)(rows * (GREEDY_PANELS + 2))), *count = found + rows * GREEDY_PANELS;
+    int64_t *first = count + rows, pairs_total = 0; /* first[r]: row r's first entry among all rows' candidates */
     for (int64_t r = 0; r < rows; r++) {
         int plain = 1; /* finite, and no block so small that 1 / d overflowed in quantize_i8 */
         for (int64_t i = 0; i < in; i++) plain &= isfinite(x[r * in + i]) != 0;
-        for (int64_t g = 0; g < in / CODE_GROUP; g++) plain &= !(d[r * in / CODE_GROUP + g] > 0.0f && d[r * in / CODE_GROUP + g] < 1e-30f);
-        ids[r] = plain ? greedy_row(x + r * in, xb ? xb + r * in : NULL, w, low + r * panels, high + r * panels, in,
-                                    out, pairs)
-                       : -1;
-        if (ids[r] >= 0) continue;
-        PAIRS_ONLY(if (pairs) linear_pair_codes(x + r * in, w, y, 1, in, out, 8, threads); else)
-        linear_codes(x + r * in, w, y, 1, in, out, 8, threads);
-        for (int64_t j = 0; pairs && j < out; j++) y[j] = round_as(y[j], 1);
-        argmax_rows(y, 1, out, ids + r);
+        for (int64_t g = 0; g < groups; g++) plain &= !(d[r * groups + g] > 0.0f && d[r * groups + g] < 1e-30f);
+        count[r] = plain ? candidates(low + r * panels, high + r * panels, panels, pairs, found + r * GREEDY_PANELS) : -1;
+        first[r] = pairs_total;
+        pairs_total += count[r] > 0 ? count[r] : 0;
     }
+    float *exact = malloc(sizeof(float) * (size_t)(pairs_total * PANEL + 1)); /* each candidate panel's logits */
+    int64_t *row_of = malloc(sizeof(int64_t) * (size_t)(pairs_total + 1));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < count[r]; i++) row_of[first[r] + i] = r;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (pairs_total > 1)
+    for (int64_t e = 0; e < pairs_total; e++) { /* every row's candidate panels, exactly, over the threads */
+        int64_t r = row_of[e], p = found[r * GREEDY_PANELS + e - first[r]];
+        int64_t cols = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
+        float *y = exact + e * PANEL;
+        PAIRS_ONLY(if (pairs) pair_code_tile((const int32_t *)(xb + r * in), w + p * bytes, y, in, PANEL, cols, 1, 1, 8,
+                                             NULL, 0);
+                   else)
+        code_tile(x + r * in, w + p * bytes, y, in, PANEL, cols, 1, 1, 8, NULL, 0);
+    }
+    int64_t *left = malloc(sizeof(int64_t) * (size_t)rows), missing = 0; /* rows needing every logit */
+    for (int64_t r = 0; r < rows; r++) {
+        if (count[r] < 0) {
+            left[missing++] = r;
+            continue;
+        }
+        int64_t best = -1;
+        float top = 0.0f;
+        for (int64_t i = 0; i < count[r]; i++) { /* ascending panels and columns: ties keep the lowest index */
+            int64_t p = found[r * GREEDY_PANELS + i], cols = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
+            for (int64_t j = 0; j < cols; j++) {
+                float v = round_as(exact[(first[r] + i) * PANEL + j], pairs);
+                if (best < 0 || v > top) best = p * PANEL + j, top = v;
+            }
+        }
+        ids[r] = best;
+    }
+    if (missing) { /* one call for all of them, as the full head would run */
+        float *xs = malloc(sizeof(float) * (size_t)(missing * (in + out))), *y = xs + missing * in;
+        for (int64_t i = 0; i < missing; i++) memcpy(xs + i * in, x + left[i] * in, sizeof(float) * (size_t)in);
+        PAIRS_ONLY(if (pairs) linear_pair_codes(xs, w, y, missing, in, out, 8, threads); else)
+        linear_codes(xs, w, y, missing, in, out, 8, threads);
+        for (int64_t i = 0; pairs && i < missing * out; i++) y[i] = round_as(y[i], 1);
+        for (int64_t i = 0; i < missing; i++) argmax_rows(y + i * out, 1, out, ids + left[i]);
+        free(xs);
+    }
+    free(left);
+    free(row_of);
+    free(exact);
+    free(found);
     free(xb);
     free(low);
     free(qx);
