@@ -1,4 +1,4 @@
-"""Weights and the KV pool in huge pages (kernels/pages.py): the same values at new addresses, in one
+"""Weights in huge pages (kernels/pages.py): the same values at new addresses, in one
 mapping advised for transparent huge pages, and nothing moved where it does not apply."""
 
 import mmap
@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from selfspec.kernels import Dense, pages
-from selfspec.model.cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 
@@ -36,13 +35,3 @@ def test_nothing_moves_below_a_huge_page_or_when_turned_off(monkeypatch):
     monkeypatch.setenv("SELFSPEC_HUGE_PAGES", "0")
     ptr = big.weight.data_ptr()
     assert pages.place([big]) == 0 and big.weight.data_ptr() == ptr
-
-
-def test_the_kv_pool_is_zeros_in_one_mapping():
-    cache = PagedKVCache(4, 2, 64, num_blocks=256, block_size=16)
-    first = cache.layers[0]
-    assert all(t.shape == (2, 2, 256, 16, 64) and not t.any() for t in cache.layers)
-    assert first.data_ptr() % pages.HUGE == 0
-    assert cache.layers[1].data_ptr() - first.data_ptr() == first.nbytes  # one mapping, back to back
-    cache.layers[1][0, 0, 3] = 1.0  # writable, and each layer its own
-    assert not cache.layers[0].any() and not cache.layers[2].any()

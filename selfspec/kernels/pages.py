@@ -6,8 +6,11 @@ can (Linux with transparent huge pages set to `always` or `madvise`; elsewhere t
 the mapping is ordinary memory). The same bytes at other addresses: no result changes.
 
 A C harness of the default model's 120 int4 layer linears (native4i8, 1 row, 2 threads, AMD EPYC Zen 4,
-three runs alternating): 1.72 / 1.80 / 1.64 ms a pass on 4 KB pages, 1.56 / 1.57 / 1.43 ms advised.
-`SELFSPEC_HUGE_PAGES=0` leaves the tensors where they are."""
+three runs alternating): 1.72 / 1.80 / 1.64 ms a pass on 4 KB pages, 1.56 / 1.57 / 1.43 ms advised. Two
+engines in one process, one with SELFSPEC_HUGE_PAGES=0, timed alternately (paired ratios, three runs):
+an int4 draft token 0.85-0.96x, an fp32 step 0.96-0.98x, a 4-row verification 0.97-0.98x; loading the
+default model takes ~0.4 s longer (the copies fault their huge pages in). The KV pool stays on 4 KB
+pages (model/cache.py). `SELFSPEC_HUGE_PAGES=0` leaves the tensors where they are."""
 
 from __future__ import annotations
 
@@ -42,16 +45,6 @@ def place(owners: Iterable[object]) -> int:
         view.copy_(t)
         setattr(owner, name, view)
     return sum(raw.numel() for raw in moved)
-
-
-def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """`count` zero tensors of `shape` (a KV-cache pool's layers): in one huge-page mapping on the CPU,
-    where `blocks` applies, else torch.zeros."""
-    size = torch.Size(shape).numel() * dtype.itemsize
-    found = blocks([size] * count) if device.type == "cpu" else None
-    if found is None:
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
-    return [raw.view(dtype).view(shape) for raw in found]  # anonymous memory is zero-filled
 
 
 def blocks(sizes: list[int]) -> list[torch.Tensor] | None:
