@@ -9,6 +9,7 @@
  * The linears of the native backends (kernels/native_*.py), further down:
  *   linear_dense  float32 / bfloat16 weights;  linear_q8  int8 per channel;  linear_q4  4-bit groups of 32
  *   linear_codes  float32 weights rebuilt from the 4-bit / 8-bit codes they were dequantized from
+ *   greedy_codes8 an 8-bit head's argmax per row from an int8 pass that bounds every logit (the greedy head)
  * and over the vocabulary, at the end: shortlist (the quantized draft's head) and argmax_rows.
  *
  * Exactness: every row is computed on its own, by the same loop, in a fixed order (reductions keep
