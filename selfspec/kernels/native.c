@@ -1865,7 +1865,8 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
  *      with nothing either). The rest, the candidates (mostly 1-5 columns of 49152 on the default model),
  *      are computed exactly: their panels by code_tile / pair_code_tile, the kernel linear_codes runs, so
  *      the same bits (row-exact), and the argmax is taken over them.
- * A row with non-finite x, or more than GREEDY_PANELS candidate panels, computes every logit instead.
+ * A row with non-finite x, a block too small for int8 (1 / d overflows), or more than GREEDY_PANELS candidate
+ * panels computes every logit instead (those rows in one call).
  * Needs AVX512-VBMI (vpermb puts a column's 4 codes in one 32-bit lane) and VNNI; greedy_head() says
  * whether this build has them. */
 #if defined(DOT_I8) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
