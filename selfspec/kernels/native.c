@@ -884,12 +884,16 @@ static inline __attribute__((always_inline)) void prefetch_next(const char *next
 #undef TILE_ROWS
 #define TILE_ROWS 8
 
+/* The lanes of a panel whose first `cols` columns are real (all 16 from 16 on; the rest is padding). */
+static inline __mmask16 real_lanes(int64_t cols) {
+    return cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+}
+
 /* A tile's accumulators (np panels by n rows) -> y, the columns past `cols` left out. */
 static inline __attribute__((always_inline)) void store_tile(float *y, int64_t out, int64_t cols,
                                                              __m512 (*acc)[TILE_ROWS], int np, int n) {
     for (int p = 0; p < np; p++) {
-        int64_t c = cols - p * PANEL;
-        __mmask16 keep = c >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1);
+        __mmask16 keep = real_lanes(cols - p * PANEL);
         for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out + p * PANEL, keep, acc[p][r]);
     }
 }
@@ -1700,7 +1704,7 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
             off[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * groups + g]), off[r]);
         }
     }
-    __mmask16 keep = cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    __mmask16 keep = real_lanes(cols);
     for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_add_ps(acc[r], off[r]));
 }
 #else
@@ -1790,7 +1794,7 @@ static inline __attribute__((always_inline)) void q8i8_tile(const int8_t *qx, co
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d[r * blocks + b]), acc[r]);
         }
     }
-    __mmask16 keep = cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
+    __mmask16 keep = real_lanes(cols);
     __m512 s = _mm512_loadu_ps(scale);
     for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_mul_ps(acc[r], s));
 }
@@ -1946,7 +1950,7 @@ static void greedy_bounds(const int8_t *qx, const float *d, const int32_t *qsum,
                     b[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(e * d[at]), b[r]);
                 }
             }
-            __mmask16 real = out - p * PANEL >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << (out - p * PANEL)) - 1);
+            __mmask16 real = real_lanes(out - p * PANEL);
             const __m512 none = _mm512_set1_ps(-INFINITY);
             for (int r = 0; r < n; r++) {
                 low[(r0 + r) * panels + p] = _mm512_reduce_max_ps(_mm512_mask_sub_ps(none, real, a[r], b[r]));
@@ -1954,6 +1958,9 @@ static void greedy_bounds(const int8_t *qx, const float *d, const int32_t *qsum,
             }
         }
 }
+
+/* Panel p's real columns of `out`. */
+static inline int64_t panel_cols(int64_t out, int64_t p) { return out - p * PANEL < PANEL ? out - p * PANEL : PANEL; }
 
 /* The largest bfloat16 value below bfloat16 t (t finite): anything under it rounds below t. */
 static float bf16_below(float t) {
@@ -2007,8 +2014,7 @@ void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int6
         for (int64_t i = 0; i < count[r]; i++) row_of[first[r] + i] = r;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (pairs_total > 1)
     for (int64_t e = 0; e < pairs_total; e++) { /* every row's candidate panels, exactly, over the threads */
-        int64_t r = row_of[e], p = found[r * GREEDY_PANELS + e - first[r]];
-        int64_t cols = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
+        int64_t r = row_of[e], p = found[r * GREEDY_PANELS + e - first[r]], cols = panel_cols(out, p);
         float *y = exact + e * PANEL;
         PAIRS_ONLY(if (pairs) pair_code_tile((const int32_t *)(xb + r * in), w + p * bytes, y, in, PANEL, cols, 1, 1, 8,
                                              NULL, 0);
@@ -2024,7 +2030,7 @@ void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int6
         int64_t best = -1;
         float top = 0.0f;
         for (int64_t i = 0; i < count[r]; i++) { /* ascending panels and columns: ties keep the lowest index */
-            int64_t p = found[r * GREEDY_PANELS + i], cols = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
+            int64_t p = found[r * GREEDY_PANELS + i], cols = panel_cols(out, p);
             for (int64_t j = 0; j < cols; j++) {
                 float v = round_as(exact[(first[r] + i) * PANEL + j], pairs);
                 if (best < 0 || v > top) best = p * PANEL + j, top = v;
