@@ -4,6 +4,7 @@ mutations (a wrong q, draft K/V left in place) caught."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from selfspec import SamplingParams, SpecConfig
 from selfspec.calibration.distribution import sample_continuations
@@ -11,7 +12,7 @@ from selfspec.decoding.drafter import Draft, Drafter, ExitDrafter
 from selfspec.decoding.hybrid import HybridDrafter
 from selfspec.decoding.lookup import LookupDrafter, match
 from selfspec.decoding.mixed import MixedDrafter
-from selfspec.decoding.quantized import SHORTLIST, QuantizedDrafter, Shortlist, share_embeddings
+from selfspec.decoding.quantized import SHORTLIST, QuantizedDrafter, Shortlist, share_embeddings, shortlist
 from selfspec.decoding.round import RoundInput, speculative_round
 from selfspec.kernels import native
 from selfspec.kernels.choice import QUANTIZED, plan
@@ -198,6 +199,17 @@ def drafters(small) -> dict:
     return {"lookup": LookupDrafter(2), "int4": quantized, "hybrid": HybridDrafter(2, quantized)}
 
 
+@pytest.fixture(scope="module")
+def shortlisted(small):
+    """The int4 copy of `small` with the engine's Shortlist head: its drafts run in one native.c call."""
+    target = small[0]
+    hf = tiny_hf_model("llama", vocab_size=12, num_hidden_layers=4, initializer_range=0.4, seed=5)
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    head = shortlist(target.head_weight)
+    draft = build_model(config, hf.state_dict().get, torch.float32, plan(torch.float32, "int4"), head=head)
+    return QuantizedDrafter(share_embeddings(draft, target))
+
+
 class WrongLookup(LookupDrafter):
     """A mutation: lookup drafts that claim a uniform q instead of their point mass."""
 
@@ -209,13 +221,13 @@ class WrongLookup(LookupDrafter):
 PROMPT = [1, 5, 7, 2, 1, 5, 7]  # "5 7" recurs: lookup drafts 2, 1, 5, 7 from the first token on
 
 
-def chi_square_pvalue(model, drafter, params, n=30_000) -> float:
+def chi_square_pvalue(model, drafter, params, n=30_000, chunk=5000) -> float:
     from scipy import stats
 
     joint = exact_joint(model, PROMPT, params).double()
     cache = model.new_cache(200_000, block_size=4)
     spec = SpecConfig(None, 3, "int4")  # γ; what drafts is `drafter`
-    samples = sample_continuations(model, cache, PROMPT, params, spec, n, 2, seed=11, chunk=5000, drafter=drafter)
+    samples = sample_continuations(model, cache, PROMPT, params, spec, n, 2, seed=11, chunk=chunk, drafter=drafter)
     assert cache.num_used_blocks == 0
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for a, b in samples:
@@ -234,6 +246,25 @@ def test_sampled_joint_distribution_is_exact(small, name):
     """30k speculative samples of (t1, t2) at T=1 against the exact joint (chi-square at 1e-4, fixed
     seeds): the lookup's point mass, the int4 draft's own q, and rows of both in one batch."""
     assert chi_square_pvalue(small[0], drafters(small)[name], SamplingParams(temperature=1.0)) > 1e-4
+
+
+@torch.inference_mode()
+def test_native_sampled_draft_joint_distribution_is_exact(small, shortlisted, monkeypatch):
+    """The same through the one-call native draft (ops.Fused.draft draws the tokens and returns q): batches
+    of 16 rows, which it takes whole (every call checked), at T = 1 and at T = 0.6. A q for the wrong
+    temperature (the mutation) is caught."""
+    calls, native_draft = [], shortlisted.draft.ops.draft
+    monkeypatch.setattr(shortlisted.draft.ops, "draft", lambda *a: calls.append(native_draft(*a)) or calls[-1])
+    for t in (1.0, 0.6):
+        assert chi_square_pvalue(small[0], shortlisted, SamplingParams(temperature=t), 20_000, chunk=16) > 1e-4
+    assert calls and all(c is not None and c[1] is not None for c in calls)
+
+    def wrong(*a):  # q as if drawn at twice the temperature
+        tokens, q = native_draft(*a)
+        return tokens, torch.softmax(q.log() / 2, -1)
+
+    monkeypatch.setattr(shortlisted.draft.ops, "draft", wrong)
+    assert chi_square_pvalue(small[0], shortlisted, SamplingParams(temperature=1.0), 20_000, chunk=16) < 1e-4
 
 
 @torch.inference_mode()
@@ -282,10 +313,11 @@ def test_verification_rewrites_the_draft_kv(small):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @torch.inference_mode()
-def test_greedy_rows_draft_in_one_native_call(tiny_checkpoint, dtype, monkeypatch):
-    """The quantized draft of greedy rows with one γ runs in one native.c call (ops.Fused.greedy_draft):
-    the tokens, the cache lengths and the draft K/V are those of the step-by-step path, for a lone row and
-    for a batch (a row with γ = 0 drafting nothing); sampled rows or rows of different γ take that path."""
+def test_rows_draft_in_one_native_call(tiny_checkpoint, dtype, monkeypatch):
+    """The quantized draft of rows with one γ runs in one native.c call (ops.Fused.draft): the tokens, the
+    cache lengths and the draft K/V are those of the step-by-step path, for a lone row and for a batch (a
+    row with γ = 0 drafting nothing), greedy rows and rows sampling at a temperature (the same tokens from
+    the same seeds, q within float rounding); top-p or top-k rows, or rows of different γ, take that path."""
     from selfspec import Engine
 
     engine = Engine.from_pretrained(str(tiny_checkpoint), dtype=dtype)
@@ -298,15 +330,23 @@ def test_greedy_rows_draft_in_one_native_call(tiny_checkpoint, dtype, monkeypatc
         model.prefill(cache, seqs[-1], ids[:-1])
         lasts.append(ids[-1])
     starts = [s.length for s in seqs]
-    greedy = SamplingParams(temperature=0)
-    native_draft = drafter.draft.ops.greedy_draft
-    for rows, gammas in (([0], [6]), ([0, 1, 2], [5, 5, 0])):
-        step = RoundInput(
-            [seqs[r] for r in rows], [lasts[r] for r in rows], [greedy] * len(rows), [None] * len(rows), gammas, drafter
-        )
+    greedy, hot, warm = SamplingParams(temperature=0), SamplingParams(temperature=1.5), SamplingParams(temperature=0.7)
+    native_draft = drafter.draft.ops.draft
+    cases = (
+        ([0], [6], [greedy]),
+        ([0, 1, 2], [5, 5, 0], [greedy] * 3),
+        ([0], [6], [hot]),
+        ([0, 1, 2], [4, 4, 4], [hot, greedy, warm]),
+    )
+    for rows, gammas, params in cases:
+
+        def step() -> RoundInput:  # fresh generators, seeded alike for both paths
+            generators = [torch.Generator().manual_seed(7 + r) for r in rows]
+            return RoundInput([seqs[r] for r in rows], [lasts[r] for r in rows], params, generators, gammas, drafter)
+
         calls = []
-        monkeypatch.setattr(drafter.draft.ops, "greedy_draft", lambda *a: calls.append(a) or native_draft(*a))
-        fast = drafter.propose(model, cache, step)
+        monkeypatch.setattr(drafter.draft.ops, "draft", lambda *a: calls.append(a) or native_draft(*a))
+        fast = drafter.propose(model, cache, step())
         lengths, kv = [seqs[r].length for r in rows], [cached_kv(cache, seqs[r]) for r in rows]
         assert (
             len(calls) == 1
@@ -315,17 +355,25 @@ def test_greedy_rows_draft_in_one_native_call(tiny_checkpoint, dtype, monkeypatc
         )
         for r in rows:
             cache.truncate(seqs[r], starts[r])
-        monkeypatch.setattr(QuantizedDrafter, "_greedy", lambda *a: None)
-        slow = drafter.propose(model, cache, step)
-        assert fast.tokens == slow.tokens and fast.probs == slow.probs
+        monkeypatch.setattr(QuantizedDrafter, "_native", lambda *a: None)
+        slow = drafter.propose(model, cache, step())
+        assert fast.tokens == slow.tokens
+        for p, mine, theirs in zip(params, fast.probs, slow.probs):
+            if p.greedy:  # the native path leaves a greedy row's one-hot q to the round
+                assert mine == [] and all(torch.equal(q, F.one_hot(q.argmax(), q.shape[-1]).float()) for q in theirs)
+            else:
+                assert len(mine) == len(theirs) and all(
+                    torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(mine, theirs)
+                )
         assert [seqs[r].length for r in rows] == lengths
         assert all(torch.equal(a, cached_kv(cache, seqs[r])) for a, r in zip(kv, rows))
         for r in rows:
             cache.truncate(seqs[r], starts[r])
         monkeypatch.undo()
-    sampled = RoundInput(seqs[:1], lasts[:1], [SamplingParams(temperature=0.7)], [None], [6], drafter)
+    top_p = RoundInput(seqs[:1], lasts[:1], [SamplingParams(temperature=0.7, top_p=0.9)], [None], [6], drafter)
+    top_k = RoundInput(seqs[:1], lasts[:1], [SamplingParams(temperature=0.7, top_k=5)], [None], [6], drafter)
     uneven = RoundInput(seqs[:2], lasts[:2], [greedy] * 2, [None] * 2, [6, 5], drafter)
-    assert drafter._greedy(cache, sampled) is None and drafter._greedy(cache, uneven) is None
+    assert all(drafter._native(cache, s) is None for s in (top_p, top_k, uneven))
 
 
 def test_lookup_acceptance_replays_what_lookup_would_draft():

@@ -20,7 +20,9 @@ from ..kernels.choice import QUANTIZED
 from ..kernels.native import NativeLinear
 from ..model.cache import PagedKVCache
 from ..model.decoder import DecoderModel
+from ..model.ops import Sampled
 from .drafter import Draft, Drafter, autoregress
+from .sampling import SamplingParams, uniforms
 
 if TYPE_CHECKING:
     from .round import RoundInput
@@ -48,22 +50,27 @@ class QuantizedDrafter(Drafter):
 
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
         n, draft = self.draft_layers, self.draft
-        fast = self._greedy(cache, step)
+        fast = self._native(cache, step)
         if fast is not None:
             return fast
         run = autoregress(draft, cache, step, n, lambda h, batch: draft.logits(h[:, -1]))
         return Draft(run.tokens, run.probs)  # resume = 0: the target recomputes (and rewrites) every layer
 
-    def _greedy(self, cache: PagedKVCache, step: RoundInput) -> Draft | None:
-        """Greedy rows drafting the same γ, in one native call (ops.Fused.greedy_draft): the tokens
-        autoregress would draft (the same kernels in the same order) without its Python and tensor
-        bookkeeping, ~0.4-0.6 ms of a ~4 ms draft token here. Rows with γ = 0 (the hybrid's looked-up
-        ones) draft nothing. None where that path does not apply: sampling, penalties, a confidence
-        threshold, rows of different γ, or a head or layer off native.c."""
+    def _native(self, cache: PagedKVCache, step: RoundInput) -> Draft | None:
+        """Rows drafting the same γ, in one native call (ops.Fused.draft): greedy rows take the tokens
+        autoregress would draft (the same kernels in the same order), rows sampling at a temperature alone
+        (no top-k or top-p) draw from softmax(draft scores / T) with the uniforms their generators give
+        autoregress, one per step, and return that q; all without autoregress's Python and tensor
+        bookkeeping, ~0.4-0.6 ms of a ~4 ms greedy draft token here and ~1.1 of a ~4.5 ms sampled one.
+        Rows with γ = 0 (the hybrid's looked-up ones) draft nothing. None where that path does not apply:
+        top-k, top-p, penalties, a confidence threshold, rows of different γ, or a head or layer off
+        native.c."""
         draft, head = self.draft, self.draft.head
-        if not all(p.greedy for p in step.params) or step.penalties is not None or step.confidence_threshold > 0:
+        if not all(p.greedy or (p.top_k == 0 and p.top_p >= 1.0) for p in step.params):
             return None
-        if not hasattr(draft.ops, "greedy_draft") or not isinstance(head, Shortlist):
+        if step.penalties is not None or step.confidence_threshold > 0:
+            return None
+        if not hasattr(draft.ops, "draft") or not isinstance(head, Shortlist):
             return None
         if not isinstance(head.coarse, NativeLinear) or head.coarse.spec is None:
             return None
@@ -73,25 +80,46 @@ class QuantizedDrafter(Drafter):
         if len({step.gammas[b] for b in active}) > 1:
             return None
         tokens: list[list[int]] = [[] for _ in step.seqs]
-        if active:
-            drafted = draft.ops.greedy_draft(
-                draft.layers,
-                self.draft_layers,
-                cache,
-                [step.seqs[b] for b in active],
-                [step.last[b] for b in active],
-                step.gammas[active[0]],
-                draft.embed_weight,
-                draft.norm_weight,
-                head.coarse.spec,
-                head.k,
-                head.weight,
-            )
-            if drafted is None:
-                return None
-            for b, row in zip(active, drafted):
-                tokens[b] = row
-        return Draft(tokens, [[] for _ in step.seqs])
+        probs: list[list[torch.Tensor]] = [[] for _ in step.seqs]  # greedy rows: none (the round's one-hot)
+        if not active:
+            return Draft(tokens, probs)
+        steps = step.gammas[active[0]]
+        sampled = _sampled([step.params[b] for b in active], [step.generators[b] for b in active], steps)
+        drafted = draft.ops.draft(
+            draft.layers,
+            self.draft_layers,
+            cache,
+            [step.seqs[b] for b in active],
+            [step.last[b] for b in active],
+            steps,
+            draft.embed_weight,
+            draft.norm_weight,
+            head.coarse.spec,
+            head.k,
+            head.weight,
+            sampled,
+        )
+        if drafted is None:
+            return None
+        rows, q = drafted
+        for i, b in enumerate(active):
+            tokens[b] = rows[i]
+            if q is not None and not step.params[b].greedy:
+                probs[b] = list(q[i])
+        return Draft(tokens, probs)
+
+
+def _sampled(params: list[SamplingParams], generators: list[torch.Generator | None], steps: int) -> Sampled | None:
+    """A native draft's temperatures and uniforms for rows `params` (None when every row is greedy): each
+    sampled row's `steps` uniforms from its generator, the numbers autoregress draws there one step at a
+    time (a CPU generator gives n draws at once as n single ones)."""
+    if all(p.greedy for p in params):
+        return None
+    draws = torch.zeros(len(params), steps)
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            draws[i] = uniforms(1, steps, [g])[0]
+    return Sampled(torch.tensor([p.temperature for p in params], dtype=torch.float32), draws)
 
 
 # Shortlisted tokens per draft position. benchmarks/shortlist.py (the default model in float32, 1152

@@ -2299,23 +2299,79 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
     }
 }
 
-/* ---- a greedy draft in one call ------------------------------------------------------------------------
- * `steps` draft tokens for each of P->batch sequences from tokens[b] (decoding/quantized.py's fast path):
+/* ---- a draft in one call ------------------------------------------------------------------------------
+ * One sampled draft token of a row: q [n] <- softmax(scores / temperature) (normalized) and the token a
+ * uniform u in [0, 1) draws from it, the first whose cumulative weight exceeds u times the total (as
+ * sampling.inverse_cdf). The weights exp((s - max) / temperature) are summed 8 at a time into one partial
+ * sum per 8 (`part`, n / 8 + 1 doubles of scratch), and the cumulative weights are those partial sums added
+ * in order in double precision (as torch's cumsum of float32 accumulates), so the last one is the total
+ * itself: a draw always lands on a token of positive weight. A row
+ * without a finite maximum (NaN or infinite scores), or at a temperature whose inverse overflows, takes its
+ * argmax, with q its one-hot (sampling._scale's limit, up to exact ties). */
+static int64_t last_positive(const float *q, int64_t from, int64_t to) {
+    int64_t l = to - 1;
+    while (l > from && !(q[l] > 0)) l--;
+    return l;
+}
+
+static int64_t draw(const float *s, int64_t n, float temperature, float u, float *q, double *part) {
+    int64_t top;
+    argmax_rows(s, 1, n, &top);
+    float m = s[top];
+    if (!(m - m == 0.0f) || !(1.0f / temperature < INFINITY)) { /* NaN or infinite, or a subnormal temperature */
+        memset(q, 0, sizeof(float) * (size_t)n);
+        q[top] = 1.0f;
+        return top;
+    }
+    v8 inv = splat8(1.0f / temperature);
+    double total = 0.0;
+    for (int64_t i = 0, j = 0; i < n; i += LANES, j++) {
+        v8 e = exp8((getn(s, i, n - i, 0) - splat8(m)) * inv); /* past n: 0s, whose weights are not stored */
+        if (i + LANES > n)
+            for (int64_t l = n - i; l < LANES; l++) e[l] = 0.0f;
+        putn(q, i, e, n - i, 0);
+        part[j] = (double)sum8(e);
+        total += part[j];
+    }
+    double target = u * total, below = 0.0;
+    int64_t at = -1;
+    for (int64_t i = 0, j = 0; i < n && at < 0; i += LANES, j++) {
+        if (!(below + part[j] > target)) {
+            below += part[j];
+            continue;
+        }
+        int64_t end = i + LANES < n ? i + LANES : n;
+        for (int64_t l = i; l < end && at < 0; l++) /* the token within these 8 */
+            if ((below += q[l]) > target) at = l;
+        if (at < 0) /* their float sum rounded above the running one: the last of them with weight */
+            at = last_positive(q, i, end);
+    }
+    if (at < 0) /* u * total rounded up to the total */
+        at = last_positive(q, 0, n);
+    v8 sum = splat8((float)total);
+    for (int64_t i = 0; i < n; i += LANES) putn(q, i, getn(q, i, n - i, 0) / sum, n - i, 0);
+    return at;
+}
+
+/* `steps` draft tokens for each of P->batch sequences from tokens[b] (decoding/quantized.py's fast path):
  * each step embeds every row's input, runs `count` layers (`layers`), adds the last residual, normalizes,
  * scores the vocabulary with the shortlisted head (the coarse linear `head`, then `shortlist` with the float
- * `weight`'s rows) and takes each row's argmax, which is its next input. P describes the whole draft as one
- * pass of seq_len = steps (positions and write_slots [batch, steps]); step j runs row b's entry j as a pass
- * of one row per sequence. The calls and their order are the Python path's (decoder.forward,
- * DecoderModel.logits, Shortlist, sampling.argmax), so the same tokens, without its ~0.4-0.6 ms of Python
- * and tensor bookkeeping per draft step (~10 % of a draft token here). out: [batch, steps]. */
-void draft_greedy(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots,
+ * `weight`'s rows) and picks each row's next input: its argmax where temperature is NULL or temperature[b]
+ * is 0, else `draw` with the uniform u[b, step], its distribution written to q [batch, steps, vocab]. P
+ * describes the whole draft as one pass of seq_len = steps (positions and write_slots [batch, steps]); step
+ * j runs row b's entry j as a pass of one row per sequence. The calls and their order are the Python
+ * path's (decoder.forward, DecoderModel.logits, Shortlist, then sampling.argmax or a draw), so the same
+ * greedy tokens, without its ~0.4-0.6 ms of Python and tensor bookkeeping per draft step (~10 % of a
+ * greedy draft token here, ~25 % of a sampled one). out: [batch, steps]. */
+void draft_tokens(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots,
                   const void *embed, const void *norm, const linear_spec *head, int64_t k, const void *weight,
-                  const int64_t *tokens, int64_t *out) {
+                  const int64_t *tokens, const float *temperature, const float *u, float *q, int64_t *out) {
     int64_t rows = P->batch, steps = P->seq_len, n = P->hidden, vocab = head->out, elem = P->bf ? 2 : 4;
     int bf = (int)P->bf, threads = (int)P->threads;
     char *h = malloc((size_t)(4 * rows * n * elem) + sizeof(float) * (size_t)(rows * (n + vocab)));
     char *h_out = h + rows * n * elem, *y_out = h_out + rows * n * elem, *x = y_out + rows * n * elem;
     float *xf = (float *)(x + rows * n * elem), *scores = xf + rows * n;
+    double *part = malloc(sizeof(double) * (size_t)(vocab / LANES + 1));
     int64_t *meta = malloc(sizeof(int64_t) * (size_t)(4 * rows)), *ones = meta, *pos = ones + rows;
     int64_t *slot = pos + rows, *next = slot + rows;
     pass_info Q = *P;
@@ -2332,9 +2388,16 @@ void draft_greedy(const pass_info *P, const layer_spec *L, int64_t count, void *
         for (int64_t i = 0; i < rows * n; i++) xf[i] = get(x, i, bf);
         linear_run(head, xf, scores, rows, threads);
         shortlist(scores, rows, vocab, k, xf, n, weight, bf);
-        argmax_rows(scores, rows, vocab, next);
-        for (int64_t b = 0; b < rows; b++) out[b * steps + j] = next[b];
+        for (int64_t b = 0; b < rows; b++) {
+            const float *s = scores + b * vocab;
+            if (temperature && temperature[b] > 0)
+                next[b] = draw(s, vocab, temperature[b], u[b * steps + j], q + (b * steps + j) * vocab, part);
+            else
+                argmax_rows(s, 1, vocab, next + b);
+            out[b * steps + j] = next[b];
+        }
     }
+    free(part);
     free(meta);
     free(h);
 }

@@ -37,6 +37,14 @@ class NativePass:
     info: native.PassInfo  # their addresses and the model's sizes, for native.c's attend_pass and layer
 
 
+@dataclass
+class Sampled:
+    """The sampled rows of a native draft (Fused.draft): 0 marks a greedy row."""
+
+    temperatures: torch.Tensor  # [B] float32
+    uniforms: torch.Tensor  # [B, steps] float32 in [0, 1): the draw of each row's draft token at each step
+
+
 class Eager:
     name = "eager"
 
@@ -175,7 +183,7 @@ class Fused(Eager):
         )
         return h_out, y_out
 
-    def greedy_draft(
+    def draft(
         self,
         weights: list[LayerWeights],
         end: int,
@@ -188,11 +196,15 @@ class Fused(Eager):
         head: native.LinearSpec,
         k: int,
         rows: torch.Tensor,
-    ) -> list[list[int]] | None:
-        """`steps` greedy draft tokens for each sequence from its token in `tokens`, in one native.c call
-        (`draft_greedy`): each step runs layers [0, end), the final norm `norm`, the coarse head `head`, the
-        shortlist of its `k` best rescored from the float head `rows`, and argmax; K/V go to the cache as
-        forward's would. None (and the cache as it was) where the layers are not all native."""
+        sampled: Sampled | None = None,
+    ) -> tuple[list[list[int]], torch.Tensor | None] | None:
+        """`steps` draft tokens for each sequence from its token in `tokens`, in one native.c call
+        (`draft_tokens`): each step runs layers [0, end), the final norm `norm`, the coarse head `head`, the
+        shortlist of its `k` best rescored from the float head `rows`, then each row's argmax, or, for the
+        rows `sampled` gives a temperature, a draw from softmax(scores / temperature) with its uniforms;
+        K/V go to the cache as forward's would. -> (tokens [B][steps], q [B, steps, vocab] float32: the
+        sampled rows' distributions, None without `sampled`); None (and the cache as it was) where the
+        layers are not all native."""
         table = self._layer_table(weights)
         if table is None or len(seqs) * steps > EXACT_ROWS:
             return None
@@ -202,7 +214,8 @@ class Fused(Eager):
         addresses = (ctypes.c_void_p * len(kv))(*(t.data_ptr() for t in kv))
         first = torch.tensor(tokens, dtype=torch.long, device=embed.device)
         out = torch.empty(len(seqs), steps, dtype=torch.long, device=embed.device)
-        self.lib.lib.draft_greedy(
+        q = None if sampled is None else torch.empty(len(seqs), steps, head.out, device=embed.device)
+        self.lib.lib.draft_tokens(
             state.info,
             ctypes.addressof(table),
             end,
@@ -214,9 +227,12 @@ class Fused(Eager):
             k,
             rows.data_ptr(),
             first.data_ptr(),
+            None if sampled is None else sampled.temperatures.data_ptr(),
+            None if sampled is None else sampled.uniforms.data_ptr(),
+            None if q is None else q.data_ptr(),
             out.data_ptr(),
         )
-        return out.tolist()
+        return out.tolist(), q
 
     def _layer_table(self, weights: list[LayerWeights]) -> ctypes.Array | None:
         """Every layer's native.LayerSpec (None where a linear is not native), built once per model and
