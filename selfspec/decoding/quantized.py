@@ -58,16 +58,14 @@ class QuantizedDrafter(Drafter):
 
     def _native(self, cache: PagedKVCache, step: RoundInput) -> Draft | None:
         """Rows drafting the same γ, in one native call (ops.Fused.draft): greedy rows take the tokens
-        autoregress would draft (the same kernels in the same order), rows sampling at a temperature alone
-        (no top-k or top-p) draw from softmax(draft scores / T) with the uniforms their generators give
-        autoregress, one per step, and return that q; all without autoregress's Python and tensor
-        bookkeeping, ~0.4-0.6 ms of a ~4 ms greedy draft token here and ~1.1 of a ~4.5 ms sampled one.
-        Rows with γ = 0 (the hybrid's looked-up ones) draft nothing. None where that path does not apply:
-        top-k, top-p, penalties, a confidence threshold, rows of different γ, or a head or layer off
+        autoregress would draft (the same kernels in the same order), sampled rows draw from the draft
+        scores at their temperature, top-k and top-p (sampling.process_logits' cuts) with the uniforms
+        their generators give autoregress, one per step, and return that q; all without autoregress's
+        Python and tensor bookkeeping, ~0.4-0.6 ms of a ~4 ms greedy draft token here and ~1.1 of a ~4.5
+        ms sampled one. Rows with γ = 0 (the hybrid's looked-up ones) draft nothing. None where that path
+        does not apply: penalties, a confidence threshold, rows of different γ, or a head or layer off
         native.c."""
         draft, head = self.draft, self.draft.head
-        if not all(p.greedy or (p.top_k == 0 and p.top_p >= 1.0) for p in step.params):
-            return None
         if step.penalties is not None or step.confidence_threshold > 0:
             return None
         if not hasattr(draft.ops, "draft") or not isinstance(head, Shortlist):
@@ -119,7 +117,12 @@ def _sampled(params: list[SamplingParams], generators: list[torch.Generator | No
     for i, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
             draws[i] = uniforms(1, steps, [g])[0]
-    return Sampled(torch.tensor([p.temperature for p in params], dtype=torch.float32), draws)
+    return Sampled(
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.long),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        draws,
+    )
 
 
 # Shortlisted tokens per draft position. benchmarks/shortlist.py (the default model in float32, 1152

@@ -2300,21 +2300,102 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
 }
 
 /* ---- a draft in one call ------------------------------------------------------------------------------
- * One sampled draft token of a row: q [n] <- softmax(scores / temperature) (normalized) and the token a
- * uniform u in [0, 1) draws from it, the first whose cumulative weight exceeds u times the total (as
- * sampling.inverse_cdf). The weights exp((s - max) / temperature) are summed 8 at a time into one partial
- * sum per 8 (`part`, n / 8 + 1 doubles of scratch), and the cumulative weights are those partial sums added
- * in order in double precision (as torch's cumsum of float32 accumulates), so the last one is the total
- * itself: a draw always lands on a token of positive weight. A row
- * without a finite maximum (NaN or infinite scores), or at a temperature whose inverse overflows, takes its
- * argmax, with q its one-hot (sampling._scale's limit, up to exact ties). */
+ * A sampled row's weights w = exp((s - max) / temperature), cut as sampling.process_logits cuts the
+ * probabilities: top-k keeps the weights at or above the k-th largest, top-p the fewest largest whose mass
+ * before each reaches top_p of the total (the largest always kept). Both find their cut in the weights'
+ * histogram by float bits (`RANKS` ranks of 4 mantissa bits per binade, larger weights in higher ranks)
+ * and sort only the rank the cut falls in, so a draw costs two passes over the vocabulary. */
+#define RANKS 4096
+typedef struct {
+    double *mass; /* [RANKS] */
+    int64_t *count; /* [RANKS] */
+    float *tied; /* [n]: one rank's weights */
+} ranks;
+
+static inline int rank_of(float w) { /* w >= 0 and finite */
+    uint32_t u;
+    memcpy(&u, &w, sizeof u);
+    return (int)(u >> 19);
+}
+
+static int descending(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* The histogram of w [n] (mass and count per rank) and the highest rank `limit` reaches counting down
+ * from the top: by count (k) when by_mass is 0, else by mass; -> that rank, *before: what the ranks
+ * above it hold, *sorted: its weights, largest first (in R->tied). */
+static int cut_rank(const float *w, int64_t n, double limit, int by_mass, ranks *R, double *before, int64_t *sorted) {
+    memset(R->mass, 0, sizeof(double) * RANKS);
+    memset(R->count, 0, sizeof(int64_t) * RANKS);
+    for (int64_t i = 0; i < n; i++) {
+        int r = rank_of(w[i]);
+        R->mass[r] += w[i], R->count[r]++;
+    }
+    int r = RANKS - 1;
+    *before = 0.0;
+    for (; r > 0; r--) {
+        double here = by_mass ? R->mass[r] : (double)R->count[r];
+        if (*before + here >= limit) break;
+        *before += here;
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (rank_of(w[i]) == r) R->tied[m++] = w[i];
+    qsort(R->tied, (size_t)m, sizeof(float), descending);
+    *sorted = m;
+    return r;
+}
+
+/* Zeroes the weights below `floor` (the ones at it stay). */
+static void drop_below(float *w, int64_t n, float floor) {
+    for (int64_t i = 0; i < n; i++) w[i] = w[i] < floor ? 0.0f : w[i];
+}
+
+static void cut_top_k(float *w, int64_t n, int64_t k, ranks *R) {
+    double before;
+    int64_t m;
+    cut_rank(w, n, (double)k, 0, R, &before, &m);
+    drop_below(w, n, R->tied[k - 1 - (int64_t)before < m ? k - 1 - (int64_t)before : m - 1]);
+}
+
+static void cut_top_p(float *w, int64_t n, float top_p, double total, ranks *R) {
+    double before, limit = (double)top_p * total;
+    int64_t m, j = 0;
+    int r = cut_rank(w, n, limit, 1, R, &before, &m);
+    if (before == 0.0 && m > 0) before = R->tied[j++]; /* the largest weight is always kept */
+    for (; j < m && before < limit; j++) before += R->tied[j];
+    float floor = j < m ? R->tied[j - 1] : R->tied[m - 1]; /* the smallest weight kept */
+    for (int64_t i = 0; i < n; i++) /* ranks below r, and the rest of rank r, go */
+        w[i] = rank_of(w[i]) < r || w[i] < floor ? 0.0f : w[i];
+}
+
+/* One sampled draft token of a row: q [n] <- its distribution (normalized), the weights above after
+ * temperature, top-k and top-p, and the token a uniform u in [0, 1) draws from it: the first whose
+ * cumulative weight exceeds u times the total (as sampling.inverse_cdf). The weights are summed 8 at a
+ * time into one partial sum per 8 (`part`, n / 8 + 1 doubles of scratch), and the cumulative weights are
+ * those partial sums added in order in double precision (as torch's cumsum of float32 accumulates), so the
+ * last one is the total itself: a draw always lands on a token of positive weight. A row without a finite
+ * maximum (NaN or infinite scores), or at a temperature whose inverse overflows, takes its argmax, with q
+ * its one-hot (sampling._scale's limit, up to exact ties). */
 static int64_t last_positive(const float *q, int64_t from, int64_t to) {
     int64_t l = to - 1;
     while (l > from && !(q[l] > 0)) l--;
     return l;
 }
 
-static int64_t draw(const float *s, int64_t n, float temperature, float u, float *q, double *part) {
+static double partial_sums(const float *q, int64_t n, double *part) {
+    double total = 0.0;
+    for (int64_t i = 0, j = 0; i < n; i += LANES, j++) {
+        part[j] = (double)sum8(getn(q, i, n - i, 0)); /* past n: 0s */
+        total += part[j];
+    }
+    return total;
+}
+
+static int64_t draw(const float *s, int64_t n, float temperature, int64_t top_k, float top_p, float u, float *q,
+                    double *part, ranks *R) {
     int64_t top;
     argmax_rows(s, 1, n, &top);
     float m = s[top];
@@ -2324,14 +2405,12 @@ static int64_t draw(const float *s, int64_t n, float temperature, float u, float
         return top;
     }
     v8 inv = splat8(1.0f / temperature);
-    double total = 0.0;
-    for (int64_t i = 0, j = 0; i < n; i += LANES, j++) {
-        v8 e = exp8((getn(s, i, n - i, 0) - splat8(m)) * inv); /* past n: 0s, whose weights are not stored */
-        if (i + LANES > n)
-            for (int64_t l = n - i; l < LANES; l++) e[l] = 0.0f;
-        putn(q, i, e, n - i, 0);
-        part[j] = (double)sum8(e);
-        total += part[j];
+    for (int64_t i = 0; i < n; i += LANES) putn(q, i, exp8((getn(s, i, n - i, 0) - splat8(m)) * inv), n - i, 0);
+    if (top_k > 0 && top_k < n) cut_top_k(q, n, top_k, R);
+    double total = partial_sums(q, n, part);
+    if (top_p < 1.0f) {
+        cut_top_p(q, n, top_p, total, R);
+        total = partial_sums(q, n, part);
     }
     double target = u * total, below = 0.0;
     int64_t at = -1;
@@ -2357,7 +2436,8 @@ static int64_t draw(const float *s, int64_t n, float temperature, float u, float
  * each step embeds every row's input, runs `count` layers (`layers`), adds the last residual, normalizes,
  * scores the vocabulary with the shortlisted head (the coarse linear `head`, then `shortlist` with the float
  * `weight`'s rows) and picks each row's next input: its argmax where temperature is NULL or temperature[b]
- * is 0, else `draw` with the uniform u[b, step], its distribution written to q [batch, steps, vocab]. P
+ * is 0, else `draw` at its temperature, top_k and top_p with the uniform u[b, step], its distribution
+ * written to q [batch, steps, vocab]. P
  * describes the whole draft as one pass of seq_len = steps (positions and write_slots [batch, steps]); step
  * j runs row b's entry j as a pass of one row per sequence. The calls and their order are the Python
  * path's (decoder.forward, DecoderModel.logits, Shortlist, then sampling.argmax or a draw), so the same
@@ -2365,13 +2445,15 @@ static int64_t draw(const float *s, int64_t n, float temperature, float u, float
  * greedy draft token here, ~25 % of a sampled one). out: [batch, steps]. */
 void draft_tokens(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots,
                   const void *embed, const void *norm, const linear_spec *head, int64_t k, const void *weight,
-                  const int64_t *tokens, const float *temperature, const float *u, float *q, int64_t *out) {
+                  const int64_t *tokens, const float *temperature, const int64_t *top_k, const float *top_p,
+                  const float *u, float *q, int64_t *out) {
     int64_t rows = P->batch, steps = P->seq_len, n = P->hidden, vocab = head->out, elem = P->bf ? 2 : 4;
     int bf = (int)P->bf, threads = (int)P->threads;
     char *h = malloc((size_t)(4 * rows * n * elem) + sizeof(float) * (size_t)(rows * (n + vocab)));
     char *h_out = h + rows * n * elem, *y_out = h_out + rows * n * elem, *x = y_out + rows * n * elem;
     float *xf = (float *)(x + rows * n * elem), *scores = xf + rows * n;
-    double *part = malloc(sizeof(double) * (size_t)(vocab / LANES + 1));
+    double *part = malloc(sizeof(double) * (size_t)(vocab / LANES + 1 + RANKS));
+    ranks R = {part + vocab / LANES + 1, malloc(sizeof(int64_t) * RANKS), malloc(sizeof(float) * (size_t)vocab)};
     int64_t *meta = malloc(sizeof(int64_t) * (size_t)(4 * rows)), *ones = meta, *pos = ones + rows;
     int64_t *slot = pos + rows, *next = slot + rows;
     pass_info Q = *P;
@@ -2391,12 +2473,15 @@ void draft_tokens(const pass_info *P, const layer_spec *L, int64_t count, void *
         for (int64_t b = 0; b < rows; b++) {
             const float *s = scores + b * vocab;
             if (temperature && temperature[b] > 0)
-                next[b] = draw(s, vocab, temperature[b], u[b * steps + j], q + (b * steps + j) * vocab, part);
+                next[b] = draw(s, vocab, temperature[b], top_k[b], top_p[b], u[b * steps + j],
+                               q + (b * steps + j) * vocab, part, &R);
             else
                 argmax_rows(s, 1, vocab, next + b);
             out[b * steps + j] = next[b];
         }
     }
+    free(R.count);
+    free(R.tied);
     free(part);
     free(meta);
     free(h);

@@ -127,7 +127,7 @@ class Native:
         lib.argmax_rows.argtypes = [p, i, i, p]
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
         fns += (lib.linear_codes,)
-        lib.draft_tokens.argtypes = [info, p, i, p, i, p, p, ctypes.POINTER(LinearSpec), i, p, p, p, p, p, p]
+        lib.draft_tokens.argtypes = [info, p, i, p, i, p, p, ctypes.POINTER(LinearSpec), i, p, p, p, p, p, p, p, p]
         fns += (lib.shortlist, lib.argmax_rows, lib.draft_tokens)
         for fn in fns:
             fn.restype = None

@@ -42,7 +42,13 @@ class Sampled:
     """The sampled rows of a native draft (Fused.draft): 0 marks a greedy row."""
 
     temperatures: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64 (0: off)
+    top_p: torch.Tensor  # [B] float32 (1: off)
     uniforms: torch.Tensor  # [B, steps] float32 in [0, 1): the draw of each row's draft token at each step
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """In native.c's draft_tokens order."""
+        return self.temperatures, self.top_k, self.top_p, self.uniforms
 
 
 class Eager:
@@ -201,7 +207,8 @@ class Fused(Eager):
         """`steps` draft tokens for each sequence from its token in `tokens`, in one native.c call
         (`draft_tokens`): each step runs layers [0, end), the final norm `norm`, the coarse head `head`, the
         shortlist of its `k` best rescored from the float head `rows`, then each row's argmax, or, for the
-        rows `sampled` gives a temperature, a draw from softmax(scores / temperature) with its uniforms;
+        rows `sampled` gives a temperature, a draw from softmax(scores / temperature) cut by its top-k and
+        top-p (sampling.process_logits) with its uniforms;
         K/V go to the cache as forward's would. -> (tokens [B][steps], q [B, steps, vocab] float32: the
         sampled rows' distributions, None without `sampled`); None (and the cache as it was) where the
         layers are not all native."""
@@ -227,8 +234,7 @@ class Fused(Eager):
             k,
             rows.data_ptr(),
             first.data_ptr(),
-            None if sampled is None else sampled.temperatures.data_ptr(),
-            None if sampled is None else sampled.uniforms.data_ptr(),
+            *((None,) * 4 if sampled is None else (t.data_ptr() for t in sampled.tensors())),
             None if q is None else q.data_ptr(),
             out.data_ptr(),
         )
