@@ -1,10 +1,11 @@
 """Serving throughput and latency vs concurrency, speculation off / on / policy, in one run.
 
     python benchmarks/serving.py [--dtype float32] [--concurrency 1,2,4,8,16] [--max-tokens 64]
-                                 [--requests-per-client 2] [--drafter int4 --gamma 4]
+                                 [--requests-per-client 2] [--drafter int4 --gamma 4] [--temperature 0]
 
 Starts the server in-process on the default model, and for each mode and concurrency level runs that
-many streaming clients, each sending its requests one after another (Spec-Bench dev prompts).
+many streaming clients, each sending its requests one after another (Spec-Bench dev prompts), greedy
+or at `--temperature` (1 is OpenAI's default, what a client that sends none gets; each request seeded).
 Reports output tokens/s, time to first token and inter-token latency (P50 / P99) as the clients saw
 them, and the server's acceptance counters. Mode `on` asks every request to speculate; the scheduler
 still switches speculation off for batches above the policy's max_batch_size, which shows where it
@@ -97,7 +98,9 @@ def scrape(url: str) -> dict:
     return out
 
 
-def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, spec: dict | None) -> dict:
+def run_level(
+    url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, spec: dict | None, temperature: float
+) -> dict:
     before = scrape(url)
 
     def client(i: int) -> list[dict]:
@@ -107,7 +110,8 @@ def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_t
                 "model": "default",
                 "messages": [{"role": "user", "content": prompts[(i * per_client + j) % len(prompts)]}],
                 "max_tokens": max_tokens,
-                "temperature": 0,
+                "temperature": temperature,
+                "seed": i * per_client + j,
                 "ignore_eos": True,
                 "stream": True,
             }
@@ -148,6 +152,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="int4", help="mode `on`'s drafter (exit, int4, int8, lookup, hybrid)")
     ap.add_argument("--draft-layers", type=int, default=None, help="mode `on`'s exit depth N (drafter exit)")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--faults", action="store_true", help="run the fault scenarios instead (benchmarks/faults.py)")
@@ -183,7 +188,9 @@ def main() -> None:
                     # find their prompts in the prefix cache. (The scheduler is idle between levels.)
                     if scheduler.prefix is not None:
                         scheduler.prefix.clear()
-                    r = run_level(url, prompts, clients, args.requests_per_client, args.max_tokens, spec)
+                    r = run_level(
+                        url, prompts, clients, args.requests_per_client, args.max_tokens, spec, args.temperature
+                    )
                     r["mode"] = mode
                     rows.append(r)
                     acc = "" if r["acceptance"] is None else f" acceptance {r['acceptance']:.2f}"
@@ -206,6 +213,7 @@ def main() -> None:
         "benchmark": "serving",
         "machine": describe(args.threads),
         "dtype": args.dtype,
+        "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests_per_client,
         "spec_on": modes["on"],
@@ -222,7 +230,9 @@ def main() -> None:
         "# Serving: throughput and latency vs concurrency",
         "",
         markdown(result["machine"]),
-        f"Default model, {args.dtype}, greedy, {args.max_tokens} output tokens per request, "
+        f"Default model, {args.dtype}, "
+        + ("greedy" if args.temperature == 0 else f"T = {args.temperature:g} (seeded)")
+        + f", {args.max_tokens} output tokens per request, "
         f"{args.requests_per_client} requests per client, streaming chat requests. Modes: `off` (no speculation), "
         f"`on` (every request asks for the {args.drafter} drafter, γ={args.gamma}"
         + (f", N={args.draft_layers}" if args.draft_layers else "")

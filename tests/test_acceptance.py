@@ -4,7 +4,9 @@ and a statistical check that rejection-sampled tokens follow the target distribu
 import pytest
 import torch
 
-from selfspec.decoding.acceptance import PLACEHOLDER, greedy_accept, rejection_sample
+from selfspec.decoding.acceptance import PLACEHOLDER, greedy_accept, native_rejection_sample, rejection_sample
+from selfspec.decoding.sampling import SamplingParams, process_rows, sample_rows
+from selfspec.kernels import native
 
 
 def one_hot(ids, vocab=8):
@@ -101,3 +103,61 @@ def test_tiny_temperature_acceptance_is_greedy_acceptance():
     sampled = rejection_sample(drafts, q, p, [torch.Generator().manual_seed(i) for i in range(64)])
     greedy = greedy_accept(drafts, target.argmax(-1))
     assert torch.equal(sampled.output_ids, greedy.output_ids) and 0 < greedy.num_accepted.sum() < 64 * 3
+
+
+PROCESSED = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.8),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=0),  # a greedy row among sampled ones
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9),
+    SamplingParams(temperature=2.0),
+]
+
+
+@pytest.mark.skipif(native.library() is None, reason="native.c unavailable")
+@pytest.mark.parametrize("seed", range(4))
+def test_native_acceptance_is_rejection_samples(seed):
+    """native.c's accept_drafts (what a CPU round runs) keeps the same drafts and emits the same last
+    token as rejection_sample on the processed distributions, from the same generators: rows of every
+    processing, drafts with their own q, point masses (lookup's), fewer drafts than γ, and none."""
+    vocab, gamma = 50, 4
+    g = torch.Generator().manual_seed(seed)
+    rows = len(PROCESSED)
+    logits = torch.randn(rows, gamma + 1, vocab, generator=g) * 3
+    p = process_rows(logits, PROCESSED)  # [B, γ + 1, vocab]
+    # drafts: q near p (so that some are kept), each token drawn from its q; row 1 and 4: point masses
+    counts = [4, 4, 2, 4, 0, 3]
+    drafts, probs = [], []
+    for b, n in enumerate(counts):
+        q = torch.softmax(p[b, :n].clamp_min(1e-9).log() + torch.randn(n, vocab, generator=g) * 0.5, -1)
+        d = torch.multinomial(q, 1, generator=g)[:, 0].tolist() if n else []
+        drafts.append(d)
+        probs.append([] if b in (1, 4) else list(q))
+
+    def generators():
+        return [torch.Generator().manual_seed(100 * seed + b) for b in range(rows)]
+
+    fast = native_rejection_sample(drafts, probs, logits, PROCESSED, generators())
+    q = torch.zeros(rows, gamma, vocab)
+    for b, d in enumerate(drafts):
+        for i, t in enumerate(d):
+            q[b, i] = probs[b][i] if probs[b] else one_hot([t], vocab)[0]
+    ids = torch.tensor([d + [0] * (gamma - len(d)) for d in drafts])
+    reference = rejection_sample(ids, q, p, generators(), torch.tensor(counts))
+    assert fast.num_accepted.tolist() == reference.num_accepted.tolist()
+    assert fast.rows()[0] == reference.rows()[0]
+    assert 0 < sum(fast.num_accepted.tolist()) < sum(counts)  # some kept, some not
+
+
+@pytest.mark.skipif(native.library() is None, reason="native.c unavailable")
+def test_native_plain_sampling_is_inverse_cdf():
+    """A row of no drafts samples its token as sample_rows does, from the same generators."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(len(PROCESSED), 1, 300, generator=g) * 2
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(len(PROCESSED))]
+        fast = native_rejection_sample([[]] * len(PROCESSED), [[]] * len(PROCESSED), logits, PROCESSED, gens)
+        gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(len(PROCESSED))]
+        ids, _ = sample_rows(logits[:, 0], PROCESSED, gens)
+        assert fast.output_ids[:, 0].tolist() == ids.tolist()

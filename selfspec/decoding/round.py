@@ -15,7 +15,7 @@ import torch
 from ..errors import SelfspecError
 from ..model.cache import PagedKVCache, SequenceKV
 from ..model.decoder import DecoderModel
-from .acceptance import AcceptanceResult, greedy_accept, rejection_sample
+from .acceptance import AcceptanceResult, greedy_accept, native_rejection_sample, rejection_sample
 from .drafter import Drafter
 from .sampling import Penalties, SamplingParams, TokenLogprob, argmax, process_rows, sample_rows, token_logprobs
 
@@ -117,7 +117,9 @@ def plain_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> R
         return RoundResult([[t] for t in ids.tolist()], [0] * rows, [0] * rows)
     logits = model.logits(h[:, -1])  # [B, vocab] raw: logprobs are taken from these
     judged = logits if step.penalties is None else step.penalties.step(logits, list(range(rows)), [[]] * rows)
-    ids, _ = sample_rows(judged, step.params, step.generators)  # [B]
+    # a row of no drafts: sampled as a speculative round samples its last token (native.c on the CPU)
+    sampled = native_rejection_sample([[]] * rows, [[]] * rows, judged[:, None], step.params, step.generators)
+    ids = sampled.output_ids[:, 0] if sampled is not None else sample_rows(judged, step.params, step.generators)[0]
     tokens = [[t] for t in ids.tolist()]  # one read from the device
     return RoundResult(tokens, [0] * rows, [0] * rows, logprobs=_logprobs(logits[:, None], tokens, step.params))
 
@@ -199,6 +201,9 @@ def _accept(
     draft_ids, caps = _padded(drafts, dev, width)
     if all(p.greedy for p in params):
         return greedy_accept(draft_ids, argmax(target_logits), caps)
+    fast = native_rejection_sample(drafts, probs, target_logits, params, generators)
+    if fast is not None:
+        return fast
     q = torch.zeros(rows, width, vocab, device=dev)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
     for b, d in enumerate(drafts):
         for i, t in enumerate(d):

@@ -2371,20 +2371,10 @@ static void cut_top_p(float *w, int64_t n, float top_p, double total, ranks *R) 
         w[i] = rank_of(w[i]) < r || w[i] < floor ? 0.0f : w[i];
 }
 
-/* One sampled draft token of a row: q [n] <- its distribution (normalized), the weights above after
- * temperature, top-k and top-p, and the token a uniform u in [0, 1) draws from it: the first whose
- * cumulative weight exceeds u times the total (as sampling.inverse_cdf). The weights are summed 8 at a
- * time into one partial sum per 8 (`part`, n / 8 + 1 doubles of scratch), and the cumulative weights are
- * those partial sums added in order in double precision (as torch's cumsum of float32 accumulates), so the
- * last one is the total itself: a draw always lands on a token of positive weight. A row without a finite
- * maximum (NaN or infinite scores), or at a temperature whose inverse overflows, takes its argmax, with q
- * its one-hot (sampling._scale's limit, up to exact ties). */
-static int64_t last_positive(const float *q, int64_t from, int64_t to) {
-    int64_t l = to - 1;
-    while (l > from && !(q[l] > 0)) l--;
-    return l;
-}
-
+/* Sampling from weights: q [n] (>= 0) summed 8 at a time into one partial sum per 8 (`part`, n / 8 + 1
+ * doubles), and the cumulative weights those partial sums added in order in double precision (as torch's
+ * cumsum of float32 accumulates), so the last one is the total itself. pick -> the first token whose
+ * cumulative weight exceeds u times the total (sampling.inverse_cdf): always one of positive weight. */
 static double partial_sums(const float *q, int64_t n, double *part) {
     double total = 0.0;
     for (int64_t i = 0, j = 0; i < n; i += LANES, j++) {
@@ -2394,42 +2384,109 @@ static double partial_sums(const float *q, int64_t n, double *part) {
     return total;
 }
 
-static int64_t draw(const float *s, int64_t n, float temperature, int64_t top_k, float top_p, float u, float *q,
-                    double *part, ranks *R) {
-    int64_t top;
-    argmax_rows(s, 1, n, &top);
-    float m = s[top];
-    if (!(m - m == 0.0f) || !(1.0f / temperature < INFINITY)) { /* NaN or infinite, or a subnormal temperature */
-        memset(q, 0, sizeof(float) * (size_t)n);
-        q[top] = 1.0f;
-        return top;
-    }
-    v8 inv = splat8(1.0f / temperature);
-    for (int64_t i = 0; i < n; i += LANES) putn(q, i, exp8((getn(s, i, n - i, 0) - splat8(m)) * inv), n - i, 0);
-    if (top_k > 0 && top_k < n) cut_top_k(q, n, top_k, R);
-    double total = partial_sums(q, n, part);
-    if (top_p < 1.0f) {
-        cut_top_p(q, n, top_p, total, R);
-        total = partial_sums(q, n, part);
-    }
+static int64_t last_positive(const float *q, int64_t from, int64_t to) {
+    int64_t l = to - 1;
+    while (l > from && !(q[l] > 0)) l--;
+    return l;
+}
+
+static int64_t pick(const float *q, int64_t n, const double *part, double total, float u) {
     double target = u * total, below = 0.0;
-    int64_t at = -1;
-    for (int64_t i = 0, j = 0; i < n && at < 0; i += LANES, j++) {
+    for (int64_t i = 0, j = 0; i < n; i += LANES, j++) {
         if (!(below + part[j] > target)) {
             below += part[j];
             continue;
         }
         int64_t end = i + LANES < n ? i + LANES : n;
-        for (int64_t l = i; l < end && at < 0; l++) /* the token within these 8 */
-            if ((below += q[l]) > target) at = l;
-        if (at < 0) /* their float sum rounded above the running one: the last of them with weight */
-            at = last_positive(q, i, end);
+        for (int64_t l = i; l < end; l++) /* the token within these 8 */
+            if ((below += q[l]) > target) return l;
+        return last_positive(q, i, end); /* their float sum rounded above the running one */
     }
-    if (at < 0) /* u * total rounded up to the total */
-        at = last_positive(q, 0, n);
-    v8 sum = splat8((float)total);
+    return last_positive(q, 0, n); /* u * total rounded up to the total */
+}
+
+/* q [n] <- the distribution of scores s as sampling.process_logits makes it: at temperature 0 the one-hot
+ * of the argmax (the first of equal maxima), else softmax(s / temperature) cut by top-k (0: off) and top-p
+ * (1: off). A row without a finite maximum (NaN or infinite scores), or at a temperature whose inverse
+ * overflows, is its one-hot too (sampling._scale's limit, up to exact ties). -> Σ q (1 up to rounding),
+ * with part its partial sums, for `pick`. */
+static double distribution(const float *s, int64_t n, float temperature, int64_t top_k, float top_p, float *q,
+                           double *part, ranks *R) {
+    int64_t top;
+    argmax_rows(s, 1, n, &top);
+    float m = s[top];
+    if (!(temperature > 0) || !(m - m == 0.0f) || !(1.0f / temperature < INFINITY)) {
+        memset(q, 0, sizeof(float) * (size_t)n);
+        q[top] = 1.0f;
+        return partial_sums(q, n, part);
+    }
+    v8 inv = splat8(1.0f / temperature);
+    for (int64_t i = 0; i < n; i += LANES) putn(q, i, exp8((getn(s, i, n - i, 0) - splat8(m)) * inv), n - i, 0);
+    if (top_k > 0 && top_k < n) cut_top_k(q, n, top_k, R);
+    if (top_p < 1.0f) cut_top_p(q, n, top_p, partial_sums(q, n, part), R);
+    v8 sum = splat8((float)partial_sums(q, n, part));
     for (int64_t i = 0; i < n; i += LANES) putn(q, i, getn(q, i, n - i, 0) / sum, n - i, 0);
-    return at;
+    return partial_sums(q, n, part);
+}
+
+/* One sampled draft token of a row: q [n] <- its distribution, and the token a uniform u in [0, 1) draws
+ * from it. */
+static int64_t draw(const float *s, int64_t n, float temperature, int64_t top_k, float top_p, float u, float *q,
+                    double *part, ranks *R) {
+    double total = distribution(s, n, temperature, top_k, top_p, q, part, R);
+    return pick(q, n, part, total, u);
+}
+
+/* Speculative sampling of one round (decoding/acceptance.py's rule, rejection_sample's draws), row by row:
+ * draft d_i is kept while u_i q_i(d_i) < p_i(d_i); at the first rejected position k the last token is drawn
+ * with u_final from normalize(max(0, p_k - q_k)) (from p_k where that mass is at most `eps`), after cap
+ * accepted drafts from p_cap (the bonus). Only the distributions up to there are computed.
+ *   logits    [rows, width, vocab] float32: the target's, penalized where a row penalizes
+ *   drafts    [rows, width - 1] and caps [rows]: each row's drafts and how many it has
+ *   q         [rows * (width - 1)] addresses of each draft's distribution [vocab]; NULL: a point mass on
+ *             the draft itself (lookup, a greedy draft)
+ *   temperature, top_k, top_p [rows]: each row's processing, as `distribution`
+ *   u         [rows, width - 1] the acceptance tests, u_final [rows] the last token's draw
+ *   out       [rows, width]: the accepted drafts, then the last token (the rest left as they are);
+ *   accepted  [rows] */
+void accept_drafts(const float *logits, int64_t rows, int64_t width, int64_t vocab, const int64_t *drafts,
+                   const int64_t *caps, const float *const *q, const float *temperature, const int64_t *top_k,
+                   const float *top_p, const float *u, const float *u_final, float eps, int64_t *out,
+                   int64_t *accepted) {
+    int64_t gamma = width - 1;
+    float *p = malloc(sizeof(float) * (size_t)(2 * vocab)), *r = p + vocab;
+    double *part = malloc(sizeof(double) * (size_t)(vocab / LANES + 1 + RANKS));
+    ranks R = {part + vocab / LANES + 1, malloc(sizeof(int64_t) * RANKS), malloc(sizeof(float) * (size_t)vocab)};
+    for (int64_t b = 0; b < rows; b++) {
+        int64_t k = 0, cap = caps[b], last;
+        const float *row = logits + b * width * vocab;
+        double total = 0.0;
+        for (; k <= cap; k++) {
+            total = distribution(row + k * vocab, vocab, temperature[b], top_k[b], top_p[b], p, part, &R);
+            if (k == cap) break;
+            int64_t d = drafts[b * gamma + k];
+            const float *qk = q[b * gamma + k];
+            if (!(u[b * gamma + k] * (qk ? qk[d] : 1.0f) < p[d])) break;
+            out[b * width + k] = d;
+        }
+        if (k < cap) { /* the residual of p_k over q_k */
+            int64_t d = drafts[b * gamma + k];
+            const float *qk = q[b * gamma + k];
+            for (int64_t i = 0; i < vocab; i++) {
+                float x = p[i] - (qk ? qk[i] : (float)(i == d));
+                r[i] = x > 0 ? x : 0.0f;
+            }
+            double mass = partial_sums(r, vocab, part);
+            last = mass > eps ? pick(r, vocab, part, mass, u_final[b]) : pick(p, vocab, part, partial_sums(p, vocab, part), u_final[b]);
+        } else
+            last = pick(p, vocab, part, total, u_final[b]);
+        out[b * width + k] = last;
+        accepted[b] = k;
+    }
+    free(R.count);
+    free(R.tied);
+    free(part);
+    free(p);
 }
 
 /* `steps` draft tokens for each of P->batch sequences from tokens[b] (decoding/quantized.py's fast path):

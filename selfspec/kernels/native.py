@@ -128,7 +128,8 @@ class Native:
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
         fns += (lib.linear_codes,)
         lib.draft_tokens.argtypes = [info, p, i, p, i, p, p, ctypes.POINTER(LinearSpec), i, p, p, p, p, p, p, p, p]
-        fns += (lib.shortlist, lib.argmax_rows, lib.draft_tokens)
+        lib.accept_drafts.argtypes = [p, i, i, i, p, p, p, p, p, p, p, p, f, p, p]
+        fns += (lib.shortlist, lib.argmax_rows, lib.draft_tokens, lib.accept_drafts)
         for fn in fns:
             fn.restype = None
         self.dot_i8 = bool(lib.dot_i8())  # the int8-activation linears are built (AVX2 and F16C)
@@ -185,6 +186,41 @@ class Native:
         x = x.to(torch.float32).contiguous()
         bf = DTYPES[weight.dtype]
         self.lib.shortlist(scores.data_ptr(), rows, n, k, x.data_ptr(), x.shape[-1], weight.data_ptr(), bf)
+
+    def accept(
+        self,
+        logits: torch.Tensor,
+        drafts: torch.Tensor,
+        caps: torch.Tensor,
+        q: list[torch.Tensor | None],
+        processing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        u: torch.Tensor,
+        u_final: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """native.c's accept_drafts: logits [B, W, vocab] float32, drafts [B, W - 1], caps [B] int64, q [B *
+        (W - 1)] (each a float32 [vocab] or None: a point mass), processing (temperature, top_k, top_p)
+        [B] each, u [B, W - 1] and u_final [B] float32 -> accepted [B]; out [B, W] gets the tokens."""
+        rows, width, vocab = logits.shape
+        addresses = (ctypes.c_void_p * max(len(q), 1))(*(None if t is None else t.data_ptr() for t in q))
+        accepted = torch.empty(rows, dtype=torch.int64)
+        self.lib.accept_drafts(
+            logits.data_ptr(),
+            rows,
+            width,
+            vocab,
+            drafts.data_ptr(),
+            caps.data_ptr(),
+            addresses,
+            *(t.data_ptr() for t in processing),
+            u.data_ptr(),
+            u_final.data_ptr(),
+            eps,
+            out.data_ptr(),
+            accepted.data_ptr(),
+        )
+        return accepted
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., n] float32 on the CPU, contiguous -> [...] int64, as torch.argmax(x, -1)."""
