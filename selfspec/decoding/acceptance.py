@@ -127,8 +127,9 @@ def native_rejection_sample(
     [B, γ_max + 1, vocab] (penalized where a row penalizes) instead of every distribution processed
     beforehand: each row's p_i (process_logits' temperature, top-k and top-p) is computed only up to its
     first rejection, and q is read where the draft left it (drafts per row d_1..d_γb, probs per row
-    q_1.. or fewer: the rest are point masses, as lookup's and greedy drafts' are). ~0.1 ms a round
-    where the torch ops took ~1.2 (one row, γ = 3, 49152 tokens). A plain row is a row of no drafts.
+    q_1.. or fewer: the rest are point masses, as lookup's and greedy drafts' are). 0.18-0.24 ms a round
+    where the torch ops took 1.7-3.3 (ad hoc: one row, γ = 3, 49152 tokens, T = 0.7; another job running
+    beside it). A plain row is a row of no drafts.
     None off the CPU or without native.c."""
     lib = native.library() if logits.device.type == "cpu" else None
     if lib is None:
