@@ -135,17 +135,17 @@ def native_rejection_sample(
     if lib is None:
         return None
     rows, width = logits.shape[:2]
-    gamma = width - 1
-    caps = torch.tensor([len(d) for d in drafts], dtype=torch.long)  # [B]
-    ids = torch.tensor([d + [0] * (gamma - len(d)) for d in drafts], dtype=torch.long).view(rows, gamma)
+    gamma, cpu = width - 1, logits.device
+    caps = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=cpu)  # [B]
+    ids = torch.tensor([d + [0] * (gamma - len(d)) for d in drafts], dtype=torch.long, device=cpu).view(rows, gamma)
     q = [probs[b][i].float().contiguous() if i < len(probs[b]) else None for b in range(rows) for i in range(gamma)]
     processing = (
-        torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.long),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=cpu),
+        torch.tensor([p.top_k for p in params], dtype=torch.long, device=cpu),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=cpu),
     )
-    u, u_final = _draws(rows, gamma, list(generators), caps)  # as rejection_sample draws them
-    out = torch.full((rows, width), PLACEHOLDER, dtype=torch.long)
+    u, u_final = _draws(rows, gamma, list(generators), caps, cpu)  # as rejection_sample draws them
+    out = torch.full((rows, width), PLACEHOLDER, dtype=torch.long, device=cpu)
     accepted = lib.accept(
         logits.float().contiguous(), ids, caps, q, processing, u.contiguous(), u_final, RESIDUAL_EPS, out
     )

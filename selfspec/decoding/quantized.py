@@ -82,7 +82,8 @@ class QuantizedDrafter(Drafter):
         if not active:
             return Draft(tokens, probs)
         steps = step.gammas[active[0]]
-        sampled = _sampled([step.params[b] for b in active], [step.generators[b] for b in active], steps)
+        gens = [step.generators[b] for b in active]
+        sampled = _sampled([step.params[b] for b in active], gens, steps, draft.device)
         drafted = draft.ops.draft(
             draft.layers,
             self.draft_layers,
@@ -107,20 +108,22 @@ class QuantizedDrafter(Drafter):
         return Draft(tokens, probs)
 
 
-def _sampled(params: list[SamplingParams], generators: list[torch.Generator | None], steps: int) -> Sampled | None:
+def _sampled(
+    params: list[SamplingParams], generators: list[torch.Generator | None], steps: int, device: torch.device
+) -> Sampled | None:
     """A native draft's temperatures and uniforms for rows `params` (None when every row is greedy): each
     sampled row's `steps` uniforms from its generator, the numbers autoregress draws there one step at a
     time (a CPU generator gives n draws at once as n single ones)."""
     if all(p.greedy for p in params):
         return None
-    draws = torch.zeros(len(params), steps)
+    draws = torch.zeros(len(params), steps, device=device)
     for i, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
-            draws[i] = uniforms(1, steps, [g])[0]
+            draws[i] = uniforms(1, steps, [g], device)[0]
     return Sampled(
-        torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.long),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         draws,
     )
 

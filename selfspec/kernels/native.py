@@ -204,7 +204,7 @@ class Native:
         [B] each, u [B, W - 1] and u_final [B] float32 -> accepted [B]; out [B, W] gets the tokens."""
         rows, width, vocab = logits.shape
         addresses = (ctypes.c_void_p * max(len(q), 1))(*(None if t is None else t.data_ptr() for t in q))
-        accepted = torch.empty(rows, dtype=torch.int64)
+        accepted = torch.empty(rows, dtype=torch.int64, device=logits.device)
         self.lib.accept_drafts(
             logits.data_ptr(),
             rows,
