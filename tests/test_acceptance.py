@@ -138,12 +138,12 @@ def test_native_acceptance_is_rejection_samples(seed):
     def generators():
         return [torch.Generator().manual_seed(100 * seed + b) for b in range(rows)]
 
-    fast = native_rejection_sample(drafts, probs, logits, PROCESSED, generators())
+    ids = torch.tensor([d + [0] * (gamma - len(d)) for d in drafts])
+    fast = native_rejection_sample(ids, torch.tensor(counts), probs, logits, PROCESSED, generators())
     q = torch.zeros(rows, gamma, vocab)
     for b, d in enumerate(drafts):
         for i, t in enumerate(d):
             q[b, i] = probs[b][i] if probs[b] else one_hot([t], vocab)[0]
-    ids = torch.tensor([d + [0] * (gamma - len(d)) for d in drafts])
     reference = rejection_sample(ids, q, p, generators(), torch.tensor(counts))
     assert fast.num_accepted.tolist() == reference.num_accepted.tolist()
     assert fast.rows()[0] == reference.rows()[0]
@@ -157,7 +157,9 @@ def test_native_plain_sampling_is_inverse_cdf():
     logits = torch.randn(len(PROCESSED), 1, 300, generator=g) * 2
     for seed in range(20):
         gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(len(PROCESSED))]
-        fast = native_rejection_sample([[]] * len(PROCESSED), [[]] * len(PROCESSED), logits, PROCESSED, gens)
+        rows = len(PROCESSED)
+        none = torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+        fast = native_rejection_sample(*none, [[]] * rows, logits, PROCESSED, gens)
         gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(len(PROCESSED))]
         ids, _ = sample_rows(logits[:, 0], PROCESSED, gens)
         assert fast.output_ids[:, 0].tolist() == ids.tolist()

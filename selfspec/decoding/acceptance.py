@@ -117,7 +117,8 @@ def _draws(
 
 
 def native_rejection_sample(
-    drafts: list[list[int]],
+    draft_ids: torch.Tensor,
+    caps: torch.Tensor,
     probs: list[list[torch.Tensor]],
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -126,8 +127,9 @@ def native_rejection_sample(
     """rejection_sample's rule and draws in one native.c call (accept_drafts), from the target's logits
     [B, γ_max + 1, vocab] (penalized where a row penalizes) instead of every distribution processed
     beforehand: each row's p_i (process_logits' temperature, top-k and top-p) is computed only up to its
-    first rejection, and q is read where the draft left it (drafts per row d_1..d_γb, probs per row
-    q_1.. or fewer: the rest are point masses, as lookup's and greedy drafts' are). 0.18-0.24 ms a round
+    first rejection, and q is read where the draft left it (draft_ids [B, γ_max] padded, caps [B] each
+    row's own γ_b; probs per row q_1.. or fewer: the rest are point masses, as lookup's and greedy
+    drafts' are). 0.18-0.24 ms a round
     where the torch ops took 1.7-3.3 (ad hoc: one row, γ = 3, 49152 tokens, T = 0.7; another job running
     beside it). A plain row is a row of no drafts.
     None off the CPU or without native.c."""
@@ -136,8 +138,6 @@ def native_rejection_sample(
         return None
     rows, width = logits.shape[:2]
     gamma, cpu = width - 1, logits.device
-    caps = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=cpu)  # [B]
-    ids = torch.tensor([d + [0] * (gamma - len(d)) for d in drafts], dtype=torch.long, device=cpu).view(rows, gamma)
     q = [probs[b][i].float().contiguous() if i < len(probs[b]) else None for b in range(rows) for i in range(gamma)]
     processing = (
         torch.tensor([p.temperature for p in params], dtype=torch.float32, device=cpu),
@@ -147,6 +147,14 @@ def native_rejection_sample(
     u, u_final = _draws(rows, gamma, list(generators), caps, cpu)  # as rejection_sample draws them
     out = torch.full((rows, width), PLACEHOLDER, dtype=torch.long, device=cpu)
     accepted = lib.accept(
-        logits.float().contiguous(), ids, caps, q, processing, u.contiguous(), u_final, RESIDUAL_EPS, out
+        logits.float().contiguous(),
+        draft_ids.contiguous(),
+        caps,
+        q,
+        processing,
+        u.contiguous(),
+        u_final,
+        RESIDUAL_EPS,
+        out,
     )
     return AcceptanceResult(out, accepted)

@@ -118,7 +118,9 @@ def plain_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> R
     logits = model.logits(h[:, -1])  # [B, vocab] raw: logprobs are taken from these
     judged = logits if step.penalties is None else step.penalties.step(logits, list(range(rows)), [[]] * rows)
     # a row of no drafts: sampled as a speculative round samples its last token (native.c on the CPU)
-    sampled = native_rejection_sample([[]] * rows, [[]] * rows, judged[:, None], step.params, step.generators)
+    no_drafts = torch.zeros(rows, 0, dtype=torch.long, device=judged.device)  # [B, 0]
+    caps = torch.zeros(rows, dtype=torch.long, device=judged.device)  # [B]
+    sampled = native_rejection_sample(no_drafts, caps, [[]] * rows, judged[:, None], step.params, step.generators)
     ids = sampled.output_ids[:, 0] if sampled is not None else sample_rows(judged, step.params, step.generators)[0]
     tokens = [[t] for t in ids.tolist()]  # one read from the device
     return RoundResult(tokens, [0] * rows, [0] * rows, logprobs=_logprobs(logits[:, None], tokens, step.params))
@@ -201,7 +203,7 @@ def _accept(
     draft_ids, caps = _padded(drafts, dev, width)
     if all(p.greedy for p in params):
         return greedy_accept(draft_ids, argmax(target_logits), caps)
-    fast = native_rejection_sample(drafts, probs, target_logits, params, generators)
+    fast = native_rejection_sample(draft_ids, caps, probs, target_logits, params, generators)
     if fast is not None:
         return fast
     q = torch.zeros(rows, width, vocab, device=dev)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
