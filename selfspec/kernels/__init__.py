@@ -11,11 +11,24 @@ from .native_dot import NativeInt4Dot, NativeInt8Dot
 from .native_float import NativeFloat
 from .native_int4 import NativeInt4
 from .native_int8 import NativeInt8
+from .native_tiles import NativeTiles
 from .onednn import OneDNN
 
 BACKENDS: dict[str, type[Linear]] = {
     b.name: b
-    for b in (Dense, OneDNN, NativeCodes, NativeFloat, Int8, NativeInt8, NativeInt8Dot, Int4, NativeInt4, NativeInt4Dot)
+    for b in (
+        Dense,
+        OneDNN,
+        NativeTiles,
+        NativeCodes,
+        NativeFloat,
+        Int8,
+        NativeInt8,
+        NativeInt8Dot,
+        Int4,
+        NativeInt4,
+        NativeInt4Dot,
+    )
 }
 
 __all__ = [
@@ -30,5 +43,6 @@ __all__ = [
     "NativeInt4Dot",
     "NativeInt8",
     "NativeInt8Dot",
+    "NativeTiles",
     "OneDNN",
 ]

@@ -34,11 +34,12 @@ from .native_dot import NativeInt4Dot, NativeInt8Dot
 from .native_float import NativeFloat
 from .native_int4 import NativeInt4
 from .native_int8 import NativeInt8
+from .native_tiles import NativeTiles
 from .onednn import OneDNN
 
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FLOAT_BACKENDS = (OneDNN, NativeCodes, NativeFloat, Dense)  # preference order when nothing was measured
+FLOAT_BACKENDS = (OneDNN, NativeTiles, NativeCodes, NativeFloat, Dense)  # preference order when nothing was measured
 QUANTIZED = {"int8": (NativeInt8Dot, NativeInt8, Int8), "int4": (NativeInt4Dot, NativeInt4, Int4)}
 TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
 # Float32 bytes of the copies of the sample weight a timing cycles through: past the last-level cache, as a

@@ -1415,6 +1415,121 @@ void linear_pair_codes(const float *x, const uint8_t *w, float *y, int64_t rows,
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* bfloat16 linears on AMX (Intel Sapphire Rapids and later): one tdpbf16ps multiplies a tile of up to 16
+ * rows of x (32 inputs each, as 16 pairs) by a tile of 16 pair rows of 16 columns, adding into 16 x 16
+ * float32 sums. Its B tile is exactly 16 pair rows of pair_tile's panels (64 bytes each), so the panels,
+ * or code panels rebuilt into them group by group (rebuild_panel), feed it as they are. A row's sums
+ * depend only on its own x and the weights: each output column of each row is its own accumulator, so a
+ * k-row call gives every row the bits of a 1-row call (row-exact), and the vdpbf16ps loops above cost a
+ * multiply-add per row while here up to 16 rows take one instruction. The bits are not pair_tile's
+ * (tdpbf16ps adds each pair's two products in its own order), so this is a backend of its own
+ * (kernels/native_tiles.py) and plain and speculative passes share it. */
+#define TILE_M 16 /* rows of x per tile */
+
+typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Linux hands AMX's 8 KB of tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA, kernel 5.16 and later); without it the first tile instruction faults. 1 when granted. */
+int tiles_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+/* Tiles for n rows of x: 0 the sums (n x 16 float32), 1 x (n x 32 bfloat16), 2 and 3 weights (16 pair
+ * rows). Loaded per call and thread: another library (oneDNN's GEMMs) may have set its own since. */
+static void tiles_for(int n) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = t < 2 ? (uint8_t)n : 16;
+    _tile_loadconfig(&c);
+}
+
+/* n rows of xb (bfloat16, row stride in) times one panel -> y (row stride out, `cols` real columns).
+ * `pairs`: the panel's pair rows, or NULL to rebuild each group of the code panel `codes` (of `bits`)
+ * into a 1 KB buffer just before its multiply (in L1, where a rebuilt 1536-input panel, 48 KB, is not). */
+static inline __attribute__((always_inline)) void tile_panel(const uint16_t *xb, const uint16_t *pairs,
+                                                             const uint8_t *codes, int bits, float *y,
+                                                             int64_t in, int64_t out, int64_t cols, int n) {
+    uint16_t group[2][CODE_GROUP / 2 * 2 * PANEL] __attribute__((aligned(64)));
+    int64_t block = bits ? code_block(bits) : 0;
+    _tile_zero(0);
+    for (int64_t g = 0; g < in / CODE_GROUP; g++) {
+        const uint16_t *b = pairs ? pairs + g * CODE_GROUP * PANEL : group[g & 1];
+        if (!pairs) {
+            prefetch_block(codes + g * block, block);
+            rebuild_panel(codes + g * block, CODE_GROUP, bits, 1, group[g & 1]);
+        }
+        _tile_loadd(1, xb + g * CODE_GROUP, in * 2);
+        if (g & 1) { /* two weight tiles: the next load need not wait for this multiply */
+            _tile_loadd(3, b, 64);
+            _tile_dpbf16ps(0, 1, 3);
+        } else {
+            _tile_loadd(2, b, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+    }
+    if (cols >= PANEL) {
+        _tile_stored(0, y, out * 4);
+        return;
+    }
+    float sums[TILE_M * PANEL] __attribute__((aligned(64)));
+    _tile_stored(0, sums, PANEL * 4);
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, real_lanes(cols), _mm512_load_ps(sums + r * PANEL));
+}
+
+/* y [rows, out] = xb [rows, in] (bfloat16) @ W.T on AMX, W pair panels (bits 0) or pair code panels of
+ * `bits` 4 or 8; in % 32 == 0. Panels split over the threads; a prompt's rows (over TILE_M) rebuild each
+ * code panel once (rebuild_panel) and then run all their tiles on it. */
+static void tile_panels(const uint16_t *xb, const void *w, float *y, int64_t rows, int64_t in, int64_t out,
+                        int bits, int threads) {
+    int64_t panels = (out + PANEL - 1) / PANEL;
+    size_t bytes = bits ? (size_t)(in / CODE_GROUP * code_block(bits)) : (size_t)(in * PANEL) * 2;
+    int whole = bits && rows > TILE_M; /* rebuild whole panels: several row tiles read each */
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *own = whole ? aligned_alloc(64, (size_t)(in * PANEL) * 2) : NULL;
+        int configured = 0;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const uint8_t *wp = (const uint8_t *)w + p * bytes;
+            const uint16_t *pairs = bits ? NULL : (const uint16_t *)wp;
+            if (whole) {
+                rebuild_panel(wp, in, bits, 1, own);
+                pairs = own;
+            }
+            for (int64_t r = 0; r < rows; r += TILE_M) {
+                int n = rows - r < TILE_M ? (int)(rows - r) : TILE_M;
+                if (n != configured) tiles_for(n), configured = n;
+                tile_panel(xb + r * in, pairs, wp, bits, y + r * out + p * PANEL, in, out, out - p * PANEL, n);
+            }
+        }
+        _tile_release(); /* the thread's tile state: not saved at every context switch from here on */
+        free(own);
+    }
+}
+
+/* x [rows, in] float32 holding bfloat16 values, w: pair panels (bits 0) or pair code panels (bits 4, 8)
+ * -> y [rows, out] float32, on AMX; in % 32 == 0. */
+void linear_tiles(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bits,
+                  int threads) {
+    uint16_t *xb = narrowed(x, rows * in);
+    tile_panels(xb, w, y, rows, in, out, bits, threads);
+    free(xb);
+}
+#else
+#define TILES 0
+int tiles_ready(void) { return 0; }
+#endif
+
+int tiles(void) { return TILES; }
+
 /* 4-bit weights in groups of 32 along `in`: per group 16 bytes, byte j holding code j in its low nibble
  * and code j + 16 in its high one (GGUF's Q4 block order), and a float32 scale s and offset m:
  * w = q * s + m. So x . w = sum over groups of s * (x . q) + m * sum(x): the codes are widened to
@@ -2075,7 +2190,7 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
 
 enum {
     LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS,
-    LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8
+    LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8, LINEAR_TILE_PAIRS, LINEAR_TILE_CODES4
 };
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
@@ -2112,6 +2227,10 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
     case LINEAR_BF16_PAIRS: linear_pairs(x, L->w, y, rows, L->in, L->out, threads); break;
     case LINEAR_PAIR_CODES4: linear_pair_codes(x, L->w, y, rows, L->in, L->out, 4, threads); break;
     case LINEAR_PAIR_CODES8: linear_pair_codes(x, L->w, y, rows, L->in, L->out, 8, threads); break;
+#endif
+#if TILES
+    case LINEAR_TILE_PAIRS: linear_tiles(x, L->w, y, rows, L->in, L->out, 0, threads); break;
+    case LINEAR_TILE_CODES4: linear_tiles(x, L->w, y, rows, L->in, L->out, 4, threads); break;
 #endif
     default: memset(y, 0, sizeof(float) * (size_t)(rows * L->out));
     }

@@ -85,6 +85,8 @@ KINDS = {
     "codes8": 9,
     "pair_codes4": 10,
     "pair_codes8": 11,
+    "tile_pairs": 12,
+    "tile_codes4": 13,
 }
 
 
@@ -147,6 +149,15 @@ class Native:
             lib.linear_pairs.argtypes = [p, p, p, i, i, i, ctypes.c_int]
             lib.linear_pair_codes.argtypes = lib.linear_codes.argtypes
             lib.linear_pairs.restype = lib.linear_pair_codes.restype = None
+        # bfloat16 linears on AMX tiles (AMX-BF16, and the tile state granted by Linux)
+        self.tiles, self.tiles_why = bool(lib.tiles()), None
+        if not self.tiles:
+            self.tiles_why = "no AMX-BF16 on this CPU (or the C compiler lacks it)"
+        elif not lib.tiles_ready():
+            self.tiles, self.tiles_why = False, "Linux did not grant AMX's tile state (arch_prctl XTILEDATA)"
+        if self.tiles:
+            lib.linear_tiles.argtypes = lib.linear_codes.argtypes
+            lib.linear_tiles.restype = None
         self.lib, self.path = lib, path
 
     def add_norm(

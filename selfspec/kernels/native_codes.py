@@ -69,9 +69,9 @@ class NativeCodes(NativeFloat):
     def transposed(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W.T [in, out] for a prompt's GEMM: the float panels unpacked, or the codes rebuilt (and rounded to
         the activations' dtype, as the kernel rounds them)."""
-        if self.kind not in BITS:
+        if self.layout not in BITS:
             return super().transposed(dtype)
-        weight = unpack(self.panels, BITS[self.kind], self.in_features, self.kind.startswith("pair"))
+        weight = unpack(self.panels, BITS[self.layout], self.in_features, self.layout.startswith("pair"))
         return weight[: self.out_features].to(self.dtype).t().to(dtype)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -52,11 +52,16 @@ class NativeFloat(native.NativeLinear):
             return x.contiguous() @ self.transposed(torch.bfloat16)
         return (x.to(torch.float32) @ self.transposed()).to(self.dtype)
 
+    @property
+    def layout(self) -> str:
+        """How the panels are laid out (a kind of this class's kernels; another backend may run them)."""
+        return self.kind
+
     def transposed(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W.T [in, out] in `dtype`, unpacked (one copy) for a prompt's GEMM: as fast as F.linear on the
         plain weight for the layers here, where unpacking to [out, in] first cost 10-50 % more."""
         panels = self.panels
-        if self.kind == "bfloat16_pairs":  # [P, in / 2, 16, 2] -> [in / 2, 2, P, 16]: W.T's order
+        if self.layout == "bfloat16_pairs":  # [P, in / 2, 16, 2] -> [in / 2, 2, P, 16]: W.T's order
             panels = panels.permute(1, 3, 0, 2)
         else:
             panels = panels.transpose(0, 1)  # [P, in, 16] -> [in, P, 16]
