@@ -8,6 +8,8 @@
  *   /tmp/linears 0   # float32 weights (linear_dense);  1: bfloat16;
  *                    # 2: int4 codes with an int8 LM head on int8 activations (linear_q4_i8, linear_q8_i8)
  *                    # 3: bfloat16 in pair panels (linear_pairs; AVX512-BF16 only)
+ *                    # 4: bfloat16 from 4-bit codes in pair order (linear_pair_codes; 8-bit codes for the head)
+ *                    # 5: the same codes on AMX tiles (linear_tiles; AMX-BF16 only; the head as in 4)
  *
  * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 (-DQ4_AHEAD=0 -DQ8_AHEAD=0) to build without the kernels' software
  * prefetch. */
@@ -25,6 +27,7 @@ static double seconds(void) {
 
 int main(int argc, char **argv) {
     int mode = argc > 1 ? atoi(argv[1]) : 0, bf = mode == 1 || mode == 3, threads = argc > 2 ? atoi(argv[2]) : 2;
+    if (mode == 5 && !tiles_ready()) return 1; /* Linux lends AMX's tile state on request */
     const int64_t shapes[8][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576},
                                   {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}}; /* [in, out] */
     enum { LINEARS = 30 * 7 + 1, PASSES = 12 };
@@ -36,6 +39,8 @@ int main(int argc, char **argv) {
         size_t bytes = (size_t)((out[l] + PANEL - 1) / PANEL * PANEL * in[l]) * (bf ? 2 : 4);
         if (mode == 2) /* 320 bytes per 32 weights of int4 (codes, float16 scales and offsets), 32 of int8 */
             bytes = (size_t)((out[l] + PANEL - 1) / PANEL * PANEL * in[l]) / 32 * (l == LINEARS - 1 ? 32 : 20);
+        if (mode >= 4) /* code panels: 20 bytes per 32 weights of 4-bit codes, 34 of 8-bit ones */
+            bytes = (size_t)((out[l] + PANEL - 1) / PANEL * PANEL * in[l]) / 32 * (l == LINEARS - 1 ? 34 : 20);
         w[l] = aligned_alloc(64, (bytes + 63) / 64 * 64);
         for (size_t j = 0; j < bytes / 4; j++) /* small finite values in either format */
             ((uint32_t *)w[l])[j] = 0x3c003c00u ^ ((uint32_t)(j * 2654435761u) & 0x00ff00ffu);
@@ -54,6 +59,11 @@ int main(int argc, char **argv) {
                 if (mode < 2) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
 #ifdef __AVX512BF16__
                 else if (mode == 3) linear_pairs(x, w[l], y, ks[j], in[l], out[l], threads);
+                else if (mode >= 4 && l == LINEARS - 1) linear_pair_codes(x, w[l], y, ks[j], in[l], out[l], 8, threads);
+                else if (mode == 4) linear_pair_codes(x, w[l], y, ks[j], in[l], out[l], 4, threads);
+#endif
+#if TILES
+                else if (mode == 5) linear_tiles(x, w[l], y, ks[j], in[l], out[l], 4, threads);
 #endif
 #ifdef DOT_I8
                 else if (l < LINEARS - 1) linear_q4_i8(x, w[l], y, ks[j], in[l], out[l], threads);
@@ -62,7 +72,8 @@ int main(int argc, char **argv) {
             t = seconds() - t;
             if (t < best[j]) best[j] = t;
         }
-    printf("%s weights, %d threads:", mode == 2 ? "int4 (int8 head)" : mode == 3 ? "bfloat16 pairs" : bf ? "bfloat16" : "float32", threads);
+    const char *names[] = {"float32", "bfloat16", "int4 (int8 head)", "bfloat16 pairs", "bfloat16 codes", "bfloat16 codes on AMX"};
+    printf("%s weights, %d threads:", names[mode], threads);
     for (int j = 0; j < 8; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
     printf("\n");
     return 0;
