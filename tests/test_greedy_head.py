@@ -1,7 +1,8 @@
 """The greedy head (native.c's greedy_codes8, DecoderModel.greedy): a head of 8-bit codes finds each row's
 argmax without every logit. An int8 pass bounds every logit, and only the few columns whose bound reaches
 the best lower bound get their exact logits. The ids must be those the full logits give, ties to the
-lowest index, in float32 and in bfloat16 (where the logits are rounded and tie far more often)."""
+lowest index, in float32 and in bfloat16 (where the logits are rounded and tie far more often), on `codes`'
+kernels and, where the CPU has AMX, on the tiles (`amx`: its candidates computed on them)."""
 
 import pytest
 import torch
@@ -9,13 +10,13 @@ import torch
 from selfspec import SamplingParams
 from selfspec.decoding.lookup import LookupDrafter
 from selfspec.decoding.round import RoundInput, run_round
-from selfspec.kernels import NativeCodes, native
+from selfspec.kernels import NativeCodes, NativeTiles, native
 from selfspec.kernels.choice import KernelPlan
 from selfspec.model.config import ModelConfig
 from selfspec.model.decoder import build_model
 
 from .conftest import tiny_hf_model
-from .test_codes import DTYPES, dequantized
+from .test_codes import dequantized
 
 pytestmark = pytest.mark.skipif(
     native.library() is None or not native.library().greedy,
@@ -23,15 +24,32 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+HEADS = [  # (activations, the head's backend)
+    pytest.param(torch.float32, NativeCodes, id="float32"),
+    pytest.param(
+        torch.bfloat16,
+        NativeCodes,
+        id="bfloat16",
+        marks=pytest.mark.skipif(not native.library() or not native.library().pairs, reason="needs AVX512-BF16"),
+    ),
+    pytest.param(
+        torch.bfloat16,
+        NativeTiles,
+        id="bfloat16-amx",
+        marks=pytest.mark.skipif(not native.library() or not native.library().tiles, reason="no AMX tiles here"),
+    ),
+]
+
+
 def full(lin: NativeCodes, x: torch.Tensor) -> torch.Tensor:
     """The reference: every logit (in the activations' dtype, as the model's logits are), then argmax."""
     return native.argmax(lin.matmul(x).float())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_argmax_of_random_rows_is_the_full_logits(dtype):
+@pytest.mark.parametrize("dtype,backend", HEADS)
+def test_the_argmax_of_random_rows_is_the_full_logits(dtype, backend):
     w = dequantized("Q8_0", out=1000, inn=192)  # 1000 columns: the last panel is part padding
-    lin = NativeCodes(w, None, dtype)
+    lin = backend(w, None, dtype)
     assert lin.kind.endswith("codes8")
     g = torch.Generator().manual_seed(3)
     for scale, mean in ((0.01, 0.0), (1.0, 0.0), (30.0, 0.0), (1.0, 2.0)):  # the last: codes' sums far from 0
@@ -42,8 +60,8 @@ def test_the_argmax_of_random_rows_is_the_full_logits(dtype):
     assert lin.argmax(x[0]).shape == () and lin.argmax(x[:4].view(2, 2, 192)).shape == (2, 2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_ties_go_to_the_lowest_index_and_near_ties_to_the_exact_logit(dtype):
+@pytest.mark.parametrize("dtype,backend", HEADS)
+def test_ties_go_to_the_lowest_index_and_near_ties_to_the_exact_logit(dtype, backend):
     """Columns 37 and 300 are copies of column 200, and 96 columns, each in a panel of its own, differ
     from it by one code at one input: their logits differ from its by one weight step times one
     activation, far less than the int8 pass's error where a block holds an outlier. Only the bounds send
@@ -58,7 +76,7 @@ def test_ties_go_to_the_lowest_index_and_near_ties_to_the_exact_logit(dtype):
         w[col] = w[200]
         w[col, i] = (q[i] + (1 if j % 2 else -1)) * d[i // 32]
     w[37], w[300] = w[200], w[200]
-    lin = NativeCodes(w, None, dtype)
+    lin = backend(w, None, dtype)
     assert lin.kind.endswith("codes8")  # the edits kept every weight a code
     g = torch.Generator().manual_seed(5)
     picked = []
@@ -73,13 +91,13 @@ def test_ties_go_to_the_lowest_index_and_near_ties_to_the_exact_logit(dtype):
     won = len(set(picked) & set(near))  # near ties that were the argmax, across panels
     assert won > 10 if dtype == torch.float32 else won >= 1 and 37 in picked  # bfloat16 rounds most to ties
     w[near] = 0
-    lin = NativeCodes(w, None, dtype)
+    lin = backend(w, None, dtype)
     x = (w[200] * 50).to(dtype)[None]
     assert int(lin.argmax(x)) == int(full(lin, x)) == 37  # the three equal logits: the lowest index
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_bounds_reach_past_a_wrong_int8_ranking(dtype):
+@pytest.mark.parametrize("dtype,backend", HEADS)
+def test_the_bounds_reach_past_a_wrong_int8_ranking(dtype, backend):
     """Column 5 (panel 0) weighs input 1, column 40 (panel 2) input 33, equally. x_1 = 0.980 > x_33 = 0.979
     (equal in bfloat16), but their blocks' outliers (50 and 49.5) make int8 steps of 0.394 and 0.390, which
     round them to 0.787 and 1.169: the int8 pass ranks 40 first by almost its whole error bound, and only
@@ -88,7 +106,7 @@ def test_the_bounds_reach_past_a_wrong_int8_ranking(dtype):
     w[5, 1] = w[40, 33] = 127 / 128  # code 127 at d = 2^-7 (float16 exact); zero groups have d = 0
     ramp = torch.arange(-127, 128, 8)[:30] / 2**14  # column 60: 30 distinct codes (8-bit, not 4-bit ones)
     w[60, 2:32] = w[60, 34:64] = ramp  # away from the inputs x holds: its logit is 0
-    lin = NativeCodes(w, None, dtype)
+    lin = backend(w, None, dtype)
     assert lin.kind.endswith("codes8")
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 1], x[0, 32], x[0, 33] = 50.0, 0.980, 49.5, 0.979
@@ -96,10 +114,10 @@ def test_the_bounds_reach_past_a_wrong_int8_ranking(dtype):
     assert int(full(lin, x)) == 5 and int(lin.argmax(x)) == 5
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_it_cannot_bound_take_every_logit(dtype):
+@pytest.mark.parametrize("dtype,backend", HEADS)
+def test_rows_it_cannot_bound_take_every_logit(dtype, backend):
     w = dequantized("Q8_0", out=160, inn=64, seed=6)
-    lin = NativeCodes(w, None, dtype)
+    lin = backend(w, None, dtype)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
     x[0] = 0  # every logit 0: every column is a candidate
     x[1, 3] = float("nan")
@@ -115,9 +133,9 @@ def test_other_weights_have_no_greedy_argmax():
     assert NativeCodes(torch.randn(32, 64), None, torch.float32).argmax(torch.ones(64)) is None  # float panels
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,backend", HEADS)
 @torch.inference_mode()
-def test_greedy_rounds_use_the_head_argmax_and_match_plain_decoding(dtype, monkeypatch):
+def test_greedy_rounds_use_the_head_argmax_and_match_plain_decoding(dtype, backend, monkeypatch):
     """A tiny model of codes (Q4_1 layers, a Q8_0 head): DecoderModel.greedy gives logits' argmax for step
     and verification rows, greedy rounds take it instead of the logits, and speculative greedy output
     (lookup drafts) equals plain greedy output."""
@@ -126,7 +144,9 @@ def test_greedy_rounds_use_the_head_argmax_and_match_plain_decoding(dtype, monke
     for i, (name, t) in enumerate(sorted(state.items())):
         if name.endswith("proj.weight") or name == "lm_head.weight":
             state[name] = dequantized("Q8_0" if name == "lm_head.weight" else "Q4_1", *t.shape, seed=i)
-    model = build_model(ModelConfig.from_hf(hf.config.to_dict()), state.get, dtype, KernelPlan("auto", "codes", True))
+    model = build_model(
+        ModelConfig.from_hf(hf.config.to_dict()), state.get, dtype, KernelPlan("auto", backend.name, True)
+    )
     assert model.head.kind.endswith("codes8")
     h = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(8)).to(dtype)
     assert torch.equal(model.greedy(h), native.argmax(model.logits(h)))

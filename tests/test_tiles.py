@@ -1,7 +1,8 @@
 """The `amx` backend (kernels/native_tiles.py): bfloat16 linears on AMX tiles, where the CPU has
-AMX-BF16 and Linux grants the tile state. The weights are `codes`' (4-bit codes in pair order, or pair
-panels), each row's bits are the same for any row count, a tiny model's decoding steps and its
-verification pass agree bit for bit, and elsewhere the backend says why it is unavailable."""
+AMX-BF16 and Linux grants the tile state. The weights are `codes`' (4-bit codes in pair order, 8-bit
+ones, or pair panels), each row's bits are the same for any row count, an 8-bit head's greedy argmax is
+its full logits', a tiny model's decoding steps and its verification pass agree bit for bit, and
+elsewhere the backend says why it is unavailable."""
 
 import pytest
 import torch
@@ -50,12 +51,18 @@ def test_tiles_multiply_the_bfloat16_weights_and_keep_rows_exact(kind, tiled):
 
 
 @needs_tiles
-def test_eight_bit_codes_stay_on_the_pair_kernel_for_the_greedy_head():
-    lin = NativeTiles(dequantized("Q8_0", out=48, inn=64), None, torch.bfloat16)
-    assert lin.kind == "pair_codes8"
+def test_eight_bit_codes_run_on_the_tiles_greedy_head_included():
+    """An 8-bit head (Q8_0) on the tiles: row-exact, and its greedy head (the int8 bounding pass, then the
+    candidates' logits on the tiles) picks the full logits' argmax (test_greedy_head runs its cases on
+    this backend too)."""
+    w = dequantized("Q8_0", out=1000, inn=192)
+    lin = NativeTiles(w, None, torch.bfloat16)
+    assert lin.kind == "tile_codes8" and torch.equal(lin.dequantized(), w.bfloat16().float())
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(5)).bfloat16()
+    one = torch.cat([lin.matmul_float32(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(lin.matmul_float32(x), one)
     if native.library().greedy:
-        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
-        assert torch.equal(lin.argmax(x), lin.matmul(x).argmax(-1))
+        assert torch.equal(lin.argmax(x), native.argmax(lin.matmul(x).float()))
 
 
 @needs_tiles
@@ -72,6 +79,7 @@ def test_a_model_on_tiles_verifies_with_the_bits_of_its_steps():
     config = ModelConfig.from_hf(hf.config.to_dict())
     model = build_model(config, state.get, torch.bfloat16, KernelPlan("bfloat16", "amx", True))
     assert {lin.kind for layer in model.layers for lin in layer.linears()} == {"tile_codes4"}
+    assert model.head.kind == "tile_codes8"
     prompt = torch.randint(0, 256, (EXACT_ROWS + 10,), generator=torch.Generator().manual_seed(2)).tolist()
     steps, verified, tokens = decode(model, model.ops, prompt, 6, 4)
     assert torch.equal(verified, steps[-4:])

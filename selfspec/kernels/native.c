@@ -1515,6 +1515,14 @@ static void tile_panels(const uint16_t *xb, const void *w, float *y, int64_t row
     }
 }
 
+/* One row of xb (bfloat16) times one code panel of `bits` on the tiles -> y [cols]: a row's logits in one
+ * panel of the greedy head, the bits the whole head gives that row (each row and column its own sums). */
+static void tile_row(const uint16_t *xb, const uint8_t *w, float *y, int64_t in, int64_t cols, int bits) {
+    tiles_for(1);
+    tile_panel(xb, NULL, w, bits, y, in, PANEL, cols, 1);
+    _tile_release();
+}
+
 /* x [rows, in] float32 holding bfloat16 values, w: pair panels (bits 0) or pair code panels (bits 4, 8)
  * -> y [rows, out] float32, on AMX; in % 32 == 0. */
 void linear_tiles(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bits,
@@ -1523,8 +1531,10 @@ void linear_tiles(const float *x, const void *w, float *y, int64_t rows, int64_t
     tile_panels(xb, w, y, rows, in, out, bits, threads);
     free(xb);
 }
+#define TILES_ONLY(...) __VA_ARGS__
 #else
 #define TILES 0
+#define TILES_ONLY(...)
 int tiles_ready(void) { return 0; }
 #endif
 
@@ -1982,8 +1992,9 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
  *   2. T = max_j (A_j - B_j) is at most the largest logit; a column whose A_j + B_j < T is below it and is
  *      not the argmax (with bfloat16 logits: its rounded logit is below the rounded largest, so it ties
  *      with nothing either). The rest, the candidates (mostly 1-5 columns of 49152 on the default model),
- *      are computed exactly: their panels by code_tile / pair_code_tile, the kernel linear_codes runs, so
- *      the same bits (row-exact), and the argmax is taken over them.
+ *      are computed exactly: their panels by code_tile / pair_code_tile / tile_row, the kernel the head
+ *      runs (linear_codes, linear_pair_codes or linear_tiles), so the same bits (row-exact), and the
+ *      argmax is taken over them.
  * A row with non-finite x, a block too small for int8 (1 / d overflows), or more than GREEDY_PANELS candidate
  * panels computes every logit instead (those rows in one call).
  * Needs AVX512-VBMI (vpermb puts a column's 4 codes in one 32-bit lane) and VNNI; greedy_head() says
@@ -2103,7 +2114,7 @@ static int64_t candidates(const float *low, const float *high, int64_t panels, i
  * W1 as above [panels, in / 32, 16] float16 -> ids [rows]: each row's argmax of x @ W.T as linear_codes
  * (pairs: linear_pair_codes, rounded to bfloat16) computes it, the first of equal maxima. */
 void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int64_t rows, int64_t in, int64_t out,
-                   int pairs, int threads, int64_t *ids) {
+                   int pairs, int tiles, int threads, int64_t *ids) {
     float slack = pairs ? GREEDY_SLACK_BF16 : GREEDY_SLACK_F32;
     int64_t panels = (out + PANEL - 1) / PANEL, groups = in / CODE_GROUP, bytes = groups * code_block(8);
     float *d, *s;
@@ -2131,6 +2142,7 @@ void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int6
     for (int64_t e = 0; e < pairs_total; e++) { /* every row's candidate panels, exactly, over the threads */
         int64_t r = row_of[e], p = found[r * GREEDY_PANELS + e - first[r]], cols = panel_cols(out, p);
         float *y = exact + e * PANEL;
+        TILES_ONLY(if (tiles) tile_row(xb + r * in, w + p * bytes, y, in, cols, 8); else)
         PAIRS_ONLY(if (pairs) pair_code_tile((const int32_t *)(xb + r * in), w + p * bytes, y, in, PANEL, cols, 1, 1, 8,
                                              NULL, 0);
                    else)
@@ -2156,6 +2168,7 @@ void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int6
     if (missing) { /* one call for all of them, as the full head would run */
         float *xs = malloc(sizeof(float) * (size_t)(missing * (in + out))), *y = xs + missing * in;
         for (int64_t i = 0; i < missing; i++) memcpy(xs + i * in, x + left[i] * in, sizeof(float) * (size_t)in);
+        TILES_ONLY(if (tiles) linear_tiles(xs, w, y, missing, in, out, 8, threads); else)
         PAIRS_ONLY(if (pairs) linear_pair_codes(xs, w, y, missing, in, out, 8, threads); else)
         linear_codes(xs, w, y, missing, in, out, 8, threads);
         for (int64_t i = 0; pairs && i < missing * out; i++) y[i] = round_as(y[i], 1);
@@ -2190,7 +2203,8 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
 
 enum {
     LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS,
-    LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8, LINEAR_TILE_PAIRS, LINEAR_TILE_CODES4
+    LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8, LINEAR_TILE_PAIRS, LINEAR_TILE_CODES4,
+    LINEAR_TILE_CODES8
 };
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
@@ -2231,6 +2245,7 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
 #if TILES
     case LINEAR_TILE_PAIRS: linear_tiles(x, L->w, y, rows, L->in, L->out, 0, threads); break;
     case LINEAR_TILE_CODES4: linear_tiles(x, L->w, y, rows, L->in, L->out, 4, threads); break;
+    case LINEAR_TILE_CODES8: linear_tiles(x, L->w, y, rows, L->in, L->out, 8, threads); break;
 #endif
     default: memset(y, 0, sizeof(float) * (size_t)(rows * L->out));
     }

@@ -87,6 +87,7 @@ KINDS = {
     "pair_codes8": 11,
     "tile_pairs": 12,
     "tile_codes4": 13,
+    "tile_codes8": 14,
 }
 
 
@@ -141,7 +142,7 @@ class Native:
             lib.linear_q4_i8.restype = lib.linear_q8_i8.restype = None
         self.greedy = bool(lib.greedy_head())  # greedy_codes8 is built (AVX512-VBMI and VNNI)
         if self.greedy:
-            lib.greedy_codes8.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, p]
+            lib.greedy_codes8.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
             lib.greedy_bound.argtypes = [p, i, i, ctypes.c_int, p]
             lib.greedy_codes8.restype = lib.greedy_bound.restype = None
         self.pairs = bool(lib.bf16_pairs())  # bfloat16 weights in pair panels (AVX512-BF16)

@@ -78,12 +78,12 @@ class NativeCodes(NativeFloat):
         """An 8-bit head's greedy argmax without every logit (native.c's greedy_codes8: an int8 pass bounds
         each logit, and the few that may be the largest are computed exactly by this kernel), the ids the
         full logits give, ties to the lowest. None for other weights or where the build lacks the kernel."""
-        if self.kind not in ("codes8", "pair_codes8") or not self.native.greedy or self.bias is not None:
+        if self.layout not in ("codes8", "pair_codes8") or not self.native.greedy or self.bias is not None:
             return None
         x = x.to(torch.float32).contiguous()
-        rows, pairs = x.numel() // self.in_features, self.kind == "pair_codes8"
+        rows, pairs, tiles = x.numel() // self.in_features, self.layout == "pair_codes8", self.kind.startswith("tile_")
         ids = torch.empty(x.shape[:-1], dtype=torch.int64)
-        shape = (rows, self.in_features, self.out_features, int(pairs), torch.get_num_threads())
+        shape = (rows, self.in_features, self.out_features, int(pairs), int(tiles), torch.get_num_threads())
         self.lib.greedy_codes8(x.data_ptr(), self.panels.data_ptr(), self.bound.data_ptr(), *shape, ids.data_ptr())
         return ids
 
@@ -92,7 +92,7 @@ class NativeCodes(NativeFloat):
         """greedy_codes8's W1 [panels, groups, 16] float16: per column and group of 32 inputs, sum |w| rounded
         up (native.c's greedy_bound); made on first use (~5 ms for the default model's head)."""
         out = torch.empty(*self.panels.shape[:2], PANEL, dtype=torch.float16)
-        pairs = int(self.kind == "pair_codes8")
+        pairs = int(self.layout == "pair_codes8")
         self.lib.greedy_bound(self.panels.data_ptr(), self.in_features, self.out_features, pairs, out.data_ptr())
         return out
 

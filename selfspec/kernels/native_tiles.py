@@ -9,9 +9,9 @@ Each output of each row is its own accumulator: row-exact. The bits differ from 
 inside each pair), so `auto` picks between them by timing (choice.py) and every pass of a model shares
 the one it picked.
 
-8-bit codes (the default model's LM head, Q8_0) stay on `codes`' pair kernel: its greedy head
-(NativeCodes.argmax) computes a step's few candidate logits with that kernel, and they must be the bits
-the full head gives."""
+8-bit codes (the default model's LM head, Q8_0) run on the tiles too, and its greedy head
+(NativeCodes.argmax) computes a step's few candidate logits on them, so they are the bits the full
+head gives: a sampled verification's head then costs what a step's does."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 from . import native
 from .native_codes import NativeCodes
 
-TILED = {"pair_codes4": "tile_codes4", "bfloat16_pairs": "tile_pairs"}  # layout -> its AMX kernel
-TILE_BITS = {"tile_codes4": 4, "tile_pairs": 0}
+TILED = {"pair_codes4": "tile_codes4", "pair_codes8": "tile_codes8", "bfloat16_pairs": "tile_pairs"}  # layout -> kind
+TILE_BITS = {"tile_codes4": 4, "tile_codes8": 8, "tile_pairs": 0}
 
 
 class NativeTiles(NativeCodes):
