@@ -70,7 +70,8 @@ def test_eight_bit_codes_run_on_the_tiles_greedy_head_included():
 def test_a_model_on_tiles_verifies_with_the_bits_of_its_steps():
     """A tiny bfloat16 model whose linears are Q4_1 values, on the tiles: a 4-token verification pass
     gives the logits of the 4 steps before it bit for bit (so its speculative greedy output is its plain
-    output), and a prompt's pass (over EXACT_ROWS rows, on the tiles too) decodes to the same tokens."""
+    output), after a prompt's pass of over EXACT_ROWS rows (on the tiles too); and the steps' logits stay
+    within bfloat16 rounding of `codes`' fed the same tokens."""
     hf = tiny_hf_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
     state = hf.state_dict()
     for i, (name, t) in enumerate(sorted(state.items())):

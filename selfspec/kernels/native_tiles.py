@@ -22,6 +22,7 @@ from .native_codes import NativeCodes
 
 TILED = {"pair_codes4": "tile_codes4", "pair_codes8": "tile_codes8", "bfloat16_pairs": "tile_pairs"}  # layout -> kind
 TILE_BITS = {"tile_codes4": 4, "tile_codes8": 8, "tile_pairs": 0}
+LAYOUT = {kind: layout for layout, kind in TILED.items()}  # kind -> the panels' layout
 
 
 class NativeTiles(NativeCodes):
@@ -44,7 +45,7 @@ class NativeTiles(NativeCodes):
     @property
     def layout(self) -> str:
         """The panels' layout: NativeCodes' kind, which the tiles read as they are."""
-        return {v: k for k, v in TILED.items()}.get(self.kind, self.kind)
+        return LAYOUT.get(self.kind, self.kind)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """A prompt's rows on the tiles too: AMX is the fastest bfloat16 GEMM here, and the codes are
