@@ -116,10 +116,10 @@ def test_the_bounds_reach_past_a_wrong_int8_ranking(dtype, backend):
 
 @pytest.mark.parametrize("dtype,backend", HEADS)
 def test_rows_it_cannot_bound_take_every_logit(dtype, backend):
-    w = dequantized("Q8_0", out=160, inn=64, seed=6)
+    w = dequantized("Q8_0", out=16 * 1025, inn=64, seed=6)  # 1025 panels: one past native.c's GREEDY_PANELS
     lin = backend(w, None, dtype)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
-    x[0] = 0  # every logit 0: every column is a candidate
+    x[0] = 0  # every logit 0: every column is a candidate, more panels than a row computes one by one
     x[1, 3] = float("nan")
     x[2, 9] = float("inf")
     x[3, :32] = 1e-38  # a block so small that 1 / its int8 step overflows

@@ -36,6 +36,44 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* AMX (Intel Sapphire Rapids and later): eight tile registers of up to 16 rows of 64 bytes, and
+ * tdpbf16ps, which adds the product of a bfloat16 tile and a tile of bfloat16 pairs into a float32 one.
+ * Used by attention's scores (attend_group) and by the linears of kernels/native_tiles.py. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TILES 1
+#define TILES_ONLY(...) __VA_ARGS__
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TILE_M 16 /* rows of x per tile */
+
+typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* Linux hands AMX's 8 KB of tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA, kernel 5.16 and later); without it the first tile instruction faults. 1 when granted. */
+static int granted; /* tiles_ready() said yes: attention may use the tiles too */
+int tiles_ready(void) { return granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+/* Tiles for n rows of x: 0 the sums (n x 16 float32), 1 x (n x 32 bfloat16), 2 and 3 weights (16 pair
+ * rows). Loaded per call and thread: another library (oneDNN's GEMMs) may have set its own since. */
+static void tiles_for(int n) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = t < 2 ? (uint8_t)n : 16;
+    _tile_loadconfig(&c);
+}
+
+#else
+#define TILES 0
+#define TILES_ONLY(...)
+int tiles_ready(void) { return 0; }
+#endif
+
 /* Eight floats, one AVX register (two SSE ones): GCC/Clang vector extensions, elementwise IEEE. */
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -574,6 +612,89 @@ static inline void keep(v8 sc, int64_t k, int64_t b, int64_t e, float *pi, float
     *top = best;
 }
 
+#if TILES
+/* Attention's scores on AMX, for attend_group: up to 16 queries of the call against 16 keys per
+ * tdpbf16ps of 32 dims. The keys are the A tiles, read from the cache as they are (16 rows of a block;
+ * keys not in one run of slots are copied first), the queries the B tiles, as pairs: C [key, query] =
+ * the sum over dims, one accumulator per key and query, so a query's scores do not depend on the queries
+ * beside it (row-exact). Two blocks of 16 keys at a time in two sums tiles, so that one block's multiply
+ * need not wait for the other's store (tiles are not renamed). Each query's 16 scores are gathered from
+ * C's column and kept as scores() results are. Tiles: 0, 1 sums; 2, 3 queries (dims 0-31, 32-63); 4-7
+ * keys. Against dot16_pairs' 2 vdpbf16ps per query and key pair, a verification's queries cost what one
+ * does. dim 32 or 64. */
+static inline __attribute__((always_inline)) const uint16_t *key_block(const void *kv, int64_t g, int64_t slots,
+                                                                       const int64_t *slot, int64_t k, int64_t lo,
+                                                                       int64_t hi, int64_t dim, uint16_t *copy) {
+    const uint16_t *a = (const uint16_t *)kv + (g * slots + slot[k - lo]) * dim;
+    int run = k + 16 <= hi;
+    for (int l = 1; l < 16 && run; l++) run = slot[k - lo + l] == slot[k - lo] + l;
+    if (run) return a;
+    for (int l = 0; l < 16; l++) { /* past the last key: the last key again, its score unused */
+        int64_t at = k + l < hi ? k + l : hi - 1;
+        memcpy(copy + l * dim, (const uint16_t *)kv + (g * slots + slot[at - lo]) * dim, (size_t)dim * 2);
+    }
+    return copy;
+}
+
+static void tile_scores(const uint16_t *qb, int64_t queries, const void *kv, int64_t g, int64_t slots,
+                        const int64_t *slot, int64_t lo, int64_t hi, int64_t i0, int64_t m, const int64_t *begin,
+                        const int64_t *end, int64_t dim, float scale, float *p, int64_t stride, float *peak,
+                        float *top) {
+    uint32_t b[2][256] __attribute__((aligned(64))); /* the chunk's queries as pair rows [dim / 32][16][16] */
+    uint16_t copies[2][16 * 64] __attribute__((aligned(64)));
+    float sums[2][256] __attribute__((aligned(64)));
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    const __m512 factor = _mm512_set1_ps(scale);
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+    for (int64_t c0 = 0; c0 < queries; c0 += 16) {
+        int64_t n = queries - c0 < 16 ? queries - c0 : 16;
+        memset(b, 0, sizeof b);
+        for (int64_t q = 0; q < n; q++) /* query q's 16 pairs of dims down column q */
+            for (int64_t d = 0; d < dim / 32; d++)
+                _mm512_i32scatter_epi32(b[d] + q, rows, _mm512_loadu_si512((const void *)(qb + (c0 + q) * dim + d * 32)),
+                                        4);
+        _tile_loadd(2, b[0], 64);
+        if (dim == 64) _tile_loadd(3, b[1], 64);
+        for (int64_t k = lo; k < hi; k += 32) {
+            int two = k + 16 < hi;
+            const uint16_t *a0 = key_block(kv, g, slots, slot, k, lo, hi, dim, copies[0]);
+            const uint16_t *a1 = two ? key_block(kv, g, slots, slot, k + 16, lo, hi, dim, copies[1]) : a0;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(4, a0, dim * 2);
+            _tile_loadd(6, a1, dim * 2);
+            _tile_dpbf16ps(0, 4, 2);
+            _tile_dpbf16ps(1, 6, 2);
+            if (dim == 64) {
+                _tile_loadd(5, a0 + 32, dim * 2);
+                _tile_loadd(7, a1 + 32, dim * 2);
+                _tile_dpbf16ps(0, 5, 3);
+                _tile_dpbf16ps(1, 7, 3);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            for (int h = 0; h < 1 + two; h++)
+                for (int64_t q = 0; q < n; q++) {
+                    int64_t i = c0 + q, j = (i0 + i) % m, at = k + 16 * h;
+                    if (at + 16 <= begin[j] || at >= end[j]) continue;
+                    __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(rows, sums[h] + q, 4), factor);
+                    v8 sc[2] = {(v8)_mm512_castps512_ps256(x), (v8)_mm512_extractf32x8_ps(x, 1)};
+                    for (int l = 0; l < 2; l++)
+                        keep(sc[l], at + l * LANES, begin[j], end[j], p + i * stride - begin[j], peak + i * LANES,
+                             top + i);
+                }
+        }
+    }
+}
+#define TILE_SCORES(dim) ((dim) == 32 || (dim) == 64)
+
+#endif
+
 /* Queries [i0, i1) of kv head g's group in sequence b, query i being query head g * group + i / m of
  * real row i % m, over the keys of one span [lo, hi): scores, softmax, weighted values. The queries
  * share each read of a key and a value (a kv head's keys and values are read once per call, not once
@@ -616,7 +737,11 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
     /* bfloat16 scores by pairs where the CPU has AVX512-BF16 (dot16_pairs): the queries narrowed back to
      * bfloat16 (exact), the keys read from the cache as they are */
     uint16_t *qb = bf && PAIRS_DOT(dim) ? narrowed(q, queries * dim) : NULL;
-    for (int64_t k = lo; k < hi; k += KEYS) { /* KEYS keys at a time; every query shares each key read */
+    int tiled = 0; /* the scores on AMX (tile_scores) where Linux granted the tiles */
+    TILES_ONLY(tiled = qb && granted && TILE_SCORES(dim));
+    TILES_ONLY(if (tiled) tile_scores(qb, queries, kv, g, slots, slot, lo, hi, i0, m, begin, end, dim, scale, p,
+                                      stride, peak, top));
+    for (int64_t k = lo; k < hi && !tiled; k += KEYS) { /* KEYS keys at a time; every query shares each key read */
         const void *keys[KEYS];
         for (int l = 0; l < KEYS; l++) { /* past the last key: the last key again, its score unused */
             int64_t at = k + l < hi ? k + l : hi - 1, offset = (g * slots + slot[at - lo]) * dim;
@@ -790,6 +915,7 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
                     at += per * keys;
                 }
         }
+        TILES_ONLY(if (bf && granted) _tile_release()); /* tile_scores': not saved at every context switch */
 #pragma omp barrier
         /* the merge, queries split evenly: out = sum_s acc_s w_s / sum_s total_s w_s, w_s = exp(top_s -
          * top), top the largest top_s (w = 1 exactly there, so one span's result is acc / total) */
@@ -1420,10 +1546,7 @@ void linear_pair_codes(const float *x, const uint8_t *w, float *y, int64_t rows,
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define TILES 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#if TILES
 /* bfloat16 linears on AMX (Intel Sapphire Rapids and later): one tdpbf16ps multiplies a tile of up to 16
  * rows of x (32 inputs each, as 16 pairs) by a tile of 16 pair rows of 16 columns, adding into 16 x 16
  * float32 sums. Its B tile is exactly 16 pair rows of pair_tile's panels (64 bytes each), so the panels,
@@ -1433,28 +1556,6 @@ void linear_pair_codes(const float *x, const uint8_t *w, float *y, int64_t rows,
  * multiply-add per row while here up to 16 rows take one instruction. The bits are not pair_tile's
  * (tdpbf16ps adds each pair's two products in its own order), so this is a backend of its own
  * (kernels/native_tiles.py) and plain and speculative passes share it. */
-#define TILE_M 16 /* rows of x per tile */
-
-typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
-    uint8_t palette, start;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* Linux hands AMX's 8 KB of tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XTILEDATA, kernel 5.16 and later); without it the first tile instruction faults. 1 when granted. */
-int tiles_ready(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-/* Tiles for n rows of x: 0 the sums (n x 16 float32), 1 x (n x 32 bfloat16), 2 and 3 weights (16 pair
- * rows). Loaded per call and thread: another library (oneDNN's GEMMs) may have set its own since. */
-static void tiles_for(int n) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = t < 2 ? (uint8_t)n : 16;
-    _tile_loadconfig(&c);
-}
 
 /* n rows of xb (bfloat16, row stride in) times one panel -> y (row stride out, `cols` real columns).
  * `pairs`: the panel's pair rows, or NULL to rebuild each group of the code panel `codes` (of `bits`)
@@ -1536,11 +1637,6 @@ void linear_tiles(const float *x, const void *w, float *y, int64_t rows, int64_t
     tile_panels(xb, w, y, rows, in, out, bits, threads);
     free(xb);
 }
-#define TILES_ONLY(...) __VA_ARGS__
-#else
-#define TILES 0
-#define TILES_ONLY(...)
-int tiles_ready(void) { return 0; }
 #endif
 
 int tiles(void) { return TILES; }
@@ -2007,7 +2103,7 @@ void linear_q8_i8(const float *x, const uint8_t *panels, const float *scale, flo
 #if defined(DOT_I8) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GREEDY 1
 #define GREEDY_ROWS 4    /* rows sharing each read of the codes in the bounding pass */
-#define GREEDY_PANELS 64 /* candidate panels past which a row computes every logit */
+#define GREEDY_PANELS 1024 /* candidate panels past which a row computes every logit */
 #ifndef GREEDY_AHEAD
 #define GREEDY_AHEAD 2048 /* bytes the bounding pass prefetches ahead of its reads */
 #endif
@@ -2264,6 +2360,15 @@ static void linear_act(const linear_spec *L, const void *x, void *y, int64_t row
     }
     int64_t n = rows * L->in, m = rows * L->out;
     float *xf = malloc(sizeof(float) * (size_t)(n + m)), *yf = xf + n;
+#if TILES /* the tiles take bfloat16 x as it is: no widening here and narrowing back in linear_tiles */
+    if (L->kind >= LINEAR_TILE_PAIRS && L->kind <= LINEAR_TILE_CODES8) {
+        int bits = L->kind == LINEAR_TILE_PAIRS ? 0 : L->kind == LINEAR_TILE_CODES4 ? 4 : 8;
+        tile_panels(x, L->w, yf, rows, L->in, L->out, bits, threads);
+        convert(yf, y, m, 0, threads);
+        free(xf);
+        return;
+    }
+#endif
     convert(x, xf, n, 1, threads);
     linear_run(L, xf, yf, rows, threads);
     convert(yf, y, m, 0, threads);
