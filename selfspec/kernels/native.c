@@ -58,13 +58,14 @@ typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
 static int granted; /* tiles_ready() said yes: attention may use the tiles too */
 int tiles_ready(void) { return granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 
-/* Tiles for n rows of x: 0 the sums (n x 16 float32), 1 x (n x 32 bfloat16), 2 and 3 weights (16 pair
- * rows). Loaded per call and thread: another library (oneDNN's GEMMs) may have set its own since. */
+/* Tiles for n rows of x: 0 the sums (n x 16 float32), 1 x (n x 32 bfloat16), 2-7 16 rows of 64 bytes (a
+ * linear's weights in 2 and 3; tile_scores takes n = 16 and all eight). Loaded per call and thread:
+ * another library (oneDNN's GEMMs) may have set its own since. */
 static void tiles_for(int n) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = t < 2 ? (uint8_t)n : 16;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = t < 2 ? (uint8_t)n : 16;
     _tile_loadconfig(&c);
 }
 
@@ -646,11 +647,7 @@ static void tile_scores(const uint16_t *qb, int64_t queries, const void *kv, int
     const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
     const __m512 factor = _mm512_set1_ps(scale);
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
+    tiles_for(16);
     for (int64_t c0 = 0; c0 < queries; c0 += 16) {
         int64_t n = queries - c0 < 16 ? queries - c0 : 16;
         memset(b, 0, sizeof b);
