@@ -26,7 +26,7 @@ from .lookup import LookupDrafter
 from .mixed import MixedDrafter
 from .policy import SpecPolicy, Speculation
 from .profile import Profile, find_profile
-from .quantized import QuantizedDrafter, share_embeddings, shortlist
+from .quantized import QuantizedDrafter, share_embeddings, shared_codes, shortlist
 from .request import GenerationChunk, GenerationResult, Request, StepOutput
 from .round import RoundInput, SpecConfig, run_round
 from .sampling import SamplingParams, make_generator
@@ -157,7 +157,10 @@ class Engine:
         """The model's own weights in format `weights` (int4: a 4-bit GGUF's own codes), loaded once."""
         if weights not in self._draft_models:
             head = shortlist(self.model.head_weight)  # over the target's float head (the model's own where None)
-            draft = load_weights(self.checkpoint_dir, self.model.dtype, weights, device=self.device, head=head)
+            given = shared_codes(self.model) if weights == "int4" else None  # the target's codes, not a copy
+            draft = load_weights(
+                self.checkpoint_dir, self.model.dtype, weights, device=self.device, head=head, given=given
+            )
             if draft.kernels.weights != weights:
                 raise SelfspecError(f"drafter {weights!r} is unavailable here: {'; '.join(draft.kernels.reasons)}")
             self._draft_models[weights] = share_embeddings(draft, self.model)

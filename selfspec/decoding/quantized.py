@@ -4,13 +4,14 @@ cache. The draft writes K/V into the slots of its draft positions; verification 
 own weights over [last, d_1 .. d_γ] from layer 0 and overwrites every one of them, so rollback stays
 a length edit and the draft never changes output. A 4-bit GGUF drafts with the file's own codes.
 
-The draft copy shares the target's embeddings and norms; its linears are what it adds to memory
+The draft copy shares the target's embeddings and norms, and, where the target keeps 4-bit codes, its
+layers' code panels too (`shared_codes`); its own linears are what it adds to memory
 (`describe()["memory_mb"]`). Its LM head is a `Shortlist`: the head in 4 bits scores the vocabulary and
 the best few scores are recomputed from the target's own float head rows."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -18,6 +19,7 @@ from ..kernels import native
 from ..kernels.base import Linear
 from ..kernels.choice import QUANTIZED
 from ..kernels.native import NativeLinear
+from ..kernels.native_shared import SharedCodes
 from ..model.cache import PagedKVCache
 from ..model.decoder import DecoderModel
 from ..model.ops import Sampled
@@ -190,3 +192,16 @@ def share_embeddings(draft: DecoderModel, target: DecoderModel) -> DecoderModel:
     for mine, theirs in zip(draft.layers, target.layers):
         mine.attn_norm, mine.mlp_norm = theirs.attn_norm, theirs.mlp_norm
     return draft
+
+
+def shared_codes(target: DecoderModel) -> Callable[[int, str], Linear | None]:
+    """For loading an int4 draft (build_model's `given`): layer i's linear `name` as a view of the target's
+    own 4-bit code panels where the target keeps that weight as codes (kernels/native_shared.py), else
+    None (the draft packs its own). The codes are the same weights (the target's are checked bit for bit
+    at load), so the draft drafts what a copy would, and the copy (~66 MB for the default model) is never
+    made."""
+
+    def given(i: int, name: str) -> Linear | None:
+        return SharedCodes.of(getattr(target.layers[i], name), target.dtype)
+
+    return given

@@ -1988,6 +1988,112 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
     free(qx);
 }
 
+/* The same int8-activation products read from the float backends' 4-bit code panels (native_codes.py:
+ * per group, 16 float16 scales, 16 offsets, then 16 rows of 16 code bytes, each byte two inputs of one
+ * column in `codes4` order, or of two columns in pair order), so a quantized self-draft multiplies the
+ * very bytes its target streams: one copy of the weights, not two. vpermb (AVX512-VBMI) gathers each
+ * column's four code bytes of a 64-byte load into its 32-bit lane; a column's nibbles there are the even
+ * inputs 8j, 8j + 2, 8j + 4, 8j + 6 (low) and the odd ones (high), so the quantized activations are
+ * reordered to match (codes_order) and one vpdpbusd multiplies four of each as in q4i8_tile. The integer
+ * sums are the same integers, and the float steps q4i8_tile's, so on the same codes the bits are
+ * linear_q4_i8's. */
+#if defined(DOT_I8) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define SHARED_CODES 1
+#define CODES4_BLOCK 320 /* code_block(4) */
+
+/* qx's bytes in each group of 8 inputs as the codes' lanes hold them: the even inputs, then the odd. */
+static void codes_order(int8_t *qx, int64_t n) {
+    const __m512i order = _mm512_set_epi64(0x0f0d0b090e0c0a08, 0x0705030106040200, 0x0f0d0b090e0c0a08,
+                                           0x0705030106040200, 0x0f0d0b090e0c0a08, 0x0705030106040200,
+                                           0x0f0d0b090e0c0a08, 0x0705030106040200);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        _mm512_storeu_si512(qx + i, _mm512_shuffle_epi8(_mm512_loadu_si512(qx + i), order));
+    for (; i < n; i += 32) { /* n is a multiple of 32 */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qx + i));
+        _mm256_storeu_si256((__m256i *)(qx + i), _mm256_shuffle_epi8(v, _mm512_castsi512_si256(order)));
+    }
+}
+
+/* n rows of reordered qx times one code panel (pairs: pair order) -> y, as q4i8_tile. */
+static inline __attribute__((always_inline)) void q4c_tile(const int8_t *qx, const float *d, const float *s,
+                                                           const uint8_t *panel, float *y, int64_t in, int64_t out,
+                                                           int64_t cols, int pairs, int n) {
+    int64_t groups = in / 32;
+    __m512 acc[TILE_ROWS], off[TILE_ROWS];
+    for (int r = 0; r < n; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(15);
+    /* lane o, byte r <- byte 16 r + o of a load (codes4: both nibbles column o's); pair order: bytes
+     * 16 r + 2 (o % 8) + e, e = 0 then 1, whose low nibble is column o % 8's and high one column 8 + o % 8's */
+    __m512i gather, even, odd;
+    const __m512i nibble = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    {
+        uint8_t a[64], b[64], c[64];
+        for (int o = 0; o < 16; o++)
+            for (int r = 0; r < 4; r++) {
+                a[4 * o + r] = (uint8_t)(16 * r + o);
+                b[4 * o + r] = (uint8_t)(16 * r + 2 * (o % 8));
+                c[4 * o + r] = (uint8_t)(16 * r + 2 * (o % 8) + 1);
+            }
+        gather = _mm512_loadu_si512(a), even = _mm512_loadu_si512(b), odd = _mm512_loadu_si512(c);
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = panel + g * CODES4_BLOCK;
+        for (int k = 0; k < 5; k++) __builtin_prefetch(p + Q4_AHEAD + 64 * k, 0, 3);
+        __m512i c[8];
+        for (int j = 0; j < 4; j++) {
+            __m512i v = _mm512_loadu_si512((const void *)(p + 64 + 64 * j));
+            if (pairs) {
+                c[2 * j] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(even, v), nibble), low);
+                c[2 * j + 1] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(odd, v), nibble), low);
+            } else {
+                __m512i t = _mm512_permutexvar_epi8(gather, v);
+                c[2 * j] = _mm512_and_si512(t, low);
+                c[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+            }
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
+        for (int r = 0; r < n; r++) {
+            const int32_t *xq = (const int32_t *)(qx + r * in + g * 32);
+            __m512 sum = _mm512_cvtepi32_ps(dot32(c, xq, 0));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
+            off[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * groups + g]), off[r]);
+        }
+    }
+    __mmask16 keep = real_lanes(cols);
+    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_add_ps(acc[r], off[r]));
+}
+
+/* x [rows, in] float32, 4-bit code panels (pairs: in pair order) -> y [rows, out]; in % 32 == 0. */
+void linear_q4_codes_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
+                        int pairs, int threads) {
+    int64_t groups = in / 32, count = (out + PANEL - 1) / PANEL;
+    float *d, *s;
+    int32_t *qsum;
+    int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
+    codes_order(qx, rows * in);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *panel = panels + p * groups * CODES4_BLOCK;
+        for (int64_t r = 0; r < rows;) {
+            int n = tile_rows(rows - r);
+            const int8_t *xr = qx + r * in;
+            const float *dr = d + r * groups, *sr = s + r * groups;
+            float *yr = y + r * out + p * PANEL;
+            int64_t cols = out - p * PANEL;
+            if (pairs) {
+                BY_ROWS(n, q4c_tile, xr, dr, sr, panel, yr, in, out, cols, 1);
+            } else {
+                BY_ROWS(n, q4c_tile, xr, dr, sr, panel, yr, in, out, cols, 0);
+            }
+            r += n;
+        }
+    }
+    free(qx);
+}
+#endif
+
 /* 8-bit weights in panels for the int8 activations (native_dot.py packs them): per panel of 16 output
  * columns and block of 32 inputs, 8 chunks of 64 bytes, chunk j byte 4 * o + t holding column o's code
  * 4j + t plus 128 (unsigned: vpdpbusd multiplies unsigned by signed bytes). A block's sum is then
@@ -2290,6 +2396,11 @@ void greedy_codes8(const float *x, const uint8_t *w, const uint16_t *bound, int6
 
 int greedy_head(void) { return GREEDY; }
 
+#ifndef SHARED_CODES
+#define SHARED_CODES 0
+#endif
+int shared_codes(void) { return SHARED_CODES; } /* linear_q4_codes_i8 is built */
+
 /* ---- one decoder layer in one call ---------------------------------------------------------------------
  * The same kernels as the calls above, in the order decoder._layer makes them, without the ~8 trips
  * through Python and ~8 tensor allocations per layer (each ~3-10 us here, ~2 ms a step). A row's bits
@@ -2305,7 +2416,7 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
 enum {
     LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS,
     LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8, LINEAR_TILE_PAIRS, LINEAR_TILE_CODES4,
-    LINEAR_TILE_CODES8
+    LINEAR_TILE_CODES8, LINEAR_Q4_CODES_I8, LINEAR_Q4_PAIR_CODES_I8
 };
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
@@ -2337,6 +2448,10 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
 #ifdef DOT_I8
     case LINEAR_Q8_I8: linear_q8_i8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
     case LINEAR_Q4_I8: linear_q4_i8(x, L->w, y, rows, L->in, L->out, threads); break;
+#endif
+#if SHARED_CODES
+    case LINEAR_Q4_CODES_I8: linear_q4_codes_i8(x, L->w, y, rows, L->in, L->out, 0, threads); break;
+    case LINEAR_Q4_PAIR_CODES_I8: linear_q4_codes_i8(x, L->w, y, rows, L->in, L->out, 1, threads); break;
 #endif
 #ifdef __AVX512BF16__
     case LINEAR_BF16_PAIRS: linear_pairs(x, L->w, y, rows, L->in, L->out, threads); break;

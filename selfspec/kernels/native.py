@@ -88,6 +88,8 @@ KINDS = {
     "tile_pairs": 12,
     "tile_codes4": 13,
     "tile_codes8": 14,
+    "q4_codes_i8": 15,
+    "q4_pair_codes_i8": 16,
 }
 
 
@@ -140,6 +142,10 @@ class Native:
             lib.linear_q4_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int]
             lib.linear_q8_i8.argtypes = lib.linear_q8.argtypes
             lib.linear_q4_i8.restype = lib.linear_q8_i8.restype = None
+        self.shared_codes = bool(lib.shared_codes())  # linear_q4_codes_i8 is built (AVX512-VBMI and AVX512BW)
+        if self.shared_codes:
+            lib.linear_q4_codes_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
+            lib.linear_q4_codes_i8.restype = None
         self.greedy = bool(lib.greedy_head())  # greedy_codes8 is built (AVX512-VBMI and VNNI)
         if self.greedy:
             lib.greedy_codes8.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]

@@ -206,6 +206,7 @@ def build_model(
     codes: Callable[[str], Int4Codes | None] | None = None,
     device: torch.device | str = "cpu",
     head: Linear | None = None,
+    given: Callable[[int, str], Linear | None] | None = None,
 ) -> DecoderModel:
     """Builds the model from tensors named as in Hugging Face checkpoints; `get(name)` returns a tensor
     or None when absent. `kernels`: the weight format and backend of the linears (default: the
@@ -213,7 +214,8 @@ def build_model(
     (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing. Every tensor is moved
     to `device` as it is read, so the backends pack (or keep) weights there. `head`: the LM head's linear
     where the caller has one (a quantized draft's shortlist: building the model's own only to replace it
-    took ~2 s of a 2.9 s draft load here)."""
+    took ~2 s of a 2.9 s draft load here). `given(i, name)`: layer i's linear `name` (LayerWeights.LINEARS)
+    where the caller has one, used as it is (a quantized draft's view of its target's codes)."""
     device = torch.device(device)
     kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype, device=device)
 
@@ -233,8 +235,13 @@ def build_model(
         before the rounding to `dtype` hides them), else in `dtype`."""
         return need(name, keep=getattr(BACKENDS[kernels.backend], "source", False))
 
-    def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear:
-        """One linear over the weights `names` stacked along the output dimension."""
+    def linear(names: list[str], bias: torch.Tensor | None = None, at: tuple[int, str] | None = None) -> Linear:
+        """One linear over the weights `names` stacked along the output dimension (`at`: its layer and
+        name, for `given`)."""
+        lin = given(*at) if given is not None and at is not None and bias is None else None
+        if lin is not None:
+            kept.append(lin)
+            return lin
         backend = BACKENDS[kernels.backend]
         found = [codes(n) for n in names] if codes is not None and hasattr(backend, "from_codes") else []
         if found and all(c is not None for c in found):
@@ -246,6 +253,7 @@ def build_model(
 
     errors: dict[str, float] = {}
     own: list[str] = []  # linears built from the checkpoint's own 4-bit codes
+    kept: list[Linear] = []  # the caller's (`given`), whose tensors stay where they are
 
     def quantized(lin: Linear, weight: torch.Tensor, name: str) -> Linear:
         """Records the relative (Frobenius) error of a weight re-quantized here."""
@@ -264,11 +272,13 @@ def build_model(
         layers.append(
             LayerWeights(
                 attn_norm=need(p + "input_layernorm.weight"),
-                qkv=linear([n + ".weight" for n in qkv], torch.cat(biases) if biases[0] is not None else None),
-                o=linear([p + "self_attn.o_proj.weight"], maybe(p + "self_attn.o_proj.bias")),
+                qkv=linear(
+                    [n + ".weight" for n in qkv], torch.cat(biases) if biases[0] is not None else None, (i, "qkv")
+                ),
+                o=linear([p + "self_attn.o_proj.weight"], maybe(p + "self_attn.o_proj.bias"), (i, "o")),
                 mlp_norm=need(p + "post_attention_layernorm.weight"),
-                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=linear([p + "mlp.down_proj.weight"]),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None, (i, "gate_up")),
+                down=linear([p + "mlp.down_proj.weight"], None, (i, "down")),
             )
         )
     embed = need("model.embed_tokens.weight")
@@ -286,7 +296,8 @@ def build_model(
         head = quantized(make_linear(kernels, head_source, None, dtype), head_weight, "lm_head.weight")
     # The linears' tensors in huge pages (kernels/pages.py); a draft's Shortlist head keeps the target's
     # float head rows where they are (it reads k of them a step) and moves its coarse linear
-    pages.place([*(lin for layer in layers for lin in layer.linears()), getattr(head, "coarse", head)])
+    mine = [lin for layer in layers for lin in layer.linears() if all(lin is not k for k in kept)]
+    pages.place([*mine, getattr(head, "coarse", head)])
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head_weight, kernels, head)
     if errors:
         worst = max(errors, key=errors.get)

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -107,9 +108,11 @@ def load_weights(
     backend: str | None = None,
     device: str | torch.device = "cpu",
     head: Linear | None = None,
+    given: Callable[[int, str], Linear | None] | None = None,
 ) -> DecoderModel:
     """The decoder of checkpoint directory `ckpt` with its linears in format `weights` on `device` (a
-    quantized self-draft loads the same checkpoint a second time this way, with its own `head`)."""
+    quantized self-draft loads the same checkpoint a second time this way, with its own `head` and the
+    linears it shares with its target, `given`: see build_model)."""
     device = resolve_device(device)
     torch_dtype = parse_dtype(dtype)
     hf_config = json.loads((ckpt / "config.json").read_text())
@@ -123,7 +126,7 @@ def load_weights(
     if kernels.weights == "int4" and source.is_file():
         gguf = Path(json.loads(source.read_text())["gguf"])
         codes = cached_codes(gguf, config, ckpt / "int4-codes.safetensors") if gguf.is_file() else None
-    return build_model(config, get, torch_dtype, kernels, codes, device, head)
+    return build_model(config, get, torch_dtype, kernels, codes, device, head, given)
 
 
 def load_tokenizer(ckpt: Path):
