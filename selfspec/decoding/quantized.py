@@ -194,14 +194,16 @@ def share_embeddings(draft: DecoderModel, target: DecoderModel) -> DecoderModel:
     return draft
 
 
-def shared_codes(target: DecoderModel) -> Callable[[int, str], Linear | None]:
+def shared_codes(target: DecoderModel) -> Callable[[int, str, str], Linear | None]:
     """For loading an int4 draft (build_model's `given`): layer i's linear `name` as a view of the target's
-    own 4-bit code panels where the target keeps that weight as codes (kernels/native_shared.py), else
-    None (the draft packs its own). The codes are the same weights (the target's are checked bit for bit
-    at load), so the draft drafts what a copy would, and the copy (~66 MB for the default model) is never
-    made."""
+    own 4-bit code panels where the target keeps that weight as codes and the draft's timed backend is
+    the int8-activation kernel the view computes like (kernels/native_shared.py), else None (the draft
+    packs its own). The codes are the same weights (the target's are checked bit for bit at load), so
+    the draft drafts what its copy would, and the copy (~66 MB for the default model) is never made."""
 
-    def given(i: int, name: str) -> Linear | None:
+    def given(i: int, name: str, backend: str) -> Linear | None:
+        if backend != SharedCodes.mirrors:
+            return None
         return SharedCodes.of(getattr(target.layers[i], name), target.dtype)
 
     return given

@@ -12,6 +12,7 @@ import torch
 
 from . import native
 from .base import Linear
+from .native_dot import NativeInt4Dot
 
 LAYOUTS = {"codes4": "q4_codes_i8", "pair_codes4": "q4_pair_codes_i8"}  # target layout -> kind
 
@@ -21,6 +22,7 @@ class SharedCodes(native.NativeLinear):
 
     name = "shared4i8"
     multiple = 32
+    mirrors = NativeInt4Dot.name  # the backend whose products it computes: drafts share only where it was chosen
 
     def __init__(self, target: native.NativeLinear, dtype: torch.dtype) -> None:
         super().__init__(target.out_features, target.in_features, None, dtype, target.device)

@@ -206,7 +206,7 @@ def build_model(
     codes: Callable[[str], Int4Codes | None] | None = None,
     device: torch.device | str = "cpu",
     head: Linear | None = None,
-    given: Callable[[int, str], Linear | None] | None = None,
+    given: Callable[[int, str, str], Linear | None] | None = None,
 ) -> DecoderModel:
     """Builds the model from tensors named as in Hugging Face checkpoints; `get(name)` returns a tensor
     or None when absent. `kernels`: the weight format and backend of the linears (default: the
@@ -214,8 +214,9 @@ def build_model(
     (a 4-bit GGUF), which int4 linears take as they are instead of re-quantizing. Every tensor is moved
     to `device` as it is read, so the backends pack (or keep) weights there. `head`: the LM head's linear
     where the caller has one (a quantized draft's shortlist: building the model's own only to replace it
-    took ~2 s of a 2.9 s draft load here). `given(i, name)`: layer i's linear `name` (LayerWeights.LINEARS)
-    where the caller has one, used as it is (a quantized draft's view of its target's codes)."""
+    took ~2 s of a 2.9 s draft load here). `given(i, name, backend)`: layer i's linear `name` (LayerWeights.LINEARS)
+    where the caller has one for the plan's backend, used as it is (a quantized draft's view of its
+    target's codes)."""
     device = torch.device(device)
     kernels = replace(kernels, reasons=list(kernels.reasons)) if kernels else plan(dtype, device=device)
 
@@ -238,7 +239,7 @@ def build_model(
     def linear(names: list[str], bias: torch.Tensor | None = None, at: tuple[int, str] | None = None) -> Linear:
         """One linear over the weights `names` stacked along the output dimension (`at`: its layer and
         name, for `given`)."""
-        lin = given(*at) if given is not None and at is not None and bias is None else None
+        lin = given(*at, kernels.backend) if given is not None and at is not None and bias is None else None
         if lin is not None:
             kept.append(lin)
             return lin

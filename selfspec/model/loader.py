@@ -108,7 +108,7 @@ def load_weights(
     backend: str | None = None,
     device: str | torch.device = "cpu",
     head: Linear | None = None,
-    given: Callable[[int, str], Linear | None] | None = None,
+    given: Callable[[int, str, str], Linear | None] | None = None,
 ) -> DecoderModel:
     """The decoder of checkpoint directory `ckpt` with its linears in format `weights` on `device` (a
     quantized self-draft loads the same checkpoint a second time this way, with its own `head` and the
