@@ -2,9 +2,10 @@
 `linear_q4_codes_i8`): where the target keeps a weight as 4-bit codes (native_codes.py's `codes4`, or
 `pair_codes4` for bfloat16 and the AMX tiles), the draft multiplies those same bytes with int8
 activations, as native4i8 does with a copy of its own. One copy of the weights instead of two (the
-default model's layers: ~66 MB less), and the bytes a draft step streams are the ones verification
-streams next, so they share the cache. Needs AVX512-VBMI (vpermb gathers each column's codes) and
-AVX512BW; elsewhere the draft keeps its own panels."""
+default model's layers: ~66 MB less); the bytes a draft step streams are the ones verification streams
+next, though a draft token took no less time for it on the Xeon measured (its own reads bound it).
+Needs AVX512-VBMI (vpermb gathers each column's codes) and AVX512BW; elsewhere the draft keeps its own
+panels."""
 
 from __future__ import annotations
 
