@@ -1894,32 +1894,91 @@ static inline __attribute__((always_inline)) __m256i dot32(const __m256i *c, con
  * So four consecutive codes of a column sit in one 32-bit lane, and one vpdpbusd (VNNI) multiplies them
  * with four activations broadcast to every lane and adds the four products to that lane: 64 multiply-
  * adds per instruction, where a column-at-a-time dot product widened and summed every group on its own.
- * The integer sums are exact; the floats are added in one order for every row (row-exact). */
-#define Q4_PANEL_GROUP 320
+ * The integer sums are exact; the floats are added in one order for every row (row-exact).
+ *
+ * The same products read the float backends' 4-bit code panels too (native_codes.py: per group, the 16
+ * float16 scales, the 16 offsets, then 16 rows of 16 code bytes, each byte two inputs of one column in
+ * `codes4` order, or of two columns in pair order; native_shared.py), so a quantized self-draft multiplies
+ * the very bytes its target streams: one copy of the weights, not two. vpermb (AVX512-VBMI) gathers each
+ * column's four code bytes of a 64-byte load into its 32-bit lane; a column's nibbles there are the even
+ * inputs 8j, 8j + 2, 8j + 4, 8j + 6 (low) and the odd ones (high), so the quantized activations are
+ * reordered to match (codes_order). The integer sums are the same integers and the float steps the same,
+ * so on the same codes the bits are those of the kernel's own panels. */
+#define Q4_PANEL_GROUP 320 /* bytes per panel and group in every layout (native_codes.py's code_block(4)) */
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 2048 /* bytes a tile prefetches ahead of its reads (as linear_dense's AHEAD) */
 #endif
+enum { Q4_OWN, Q4_CODES, Q4_PAIR_CODES }; /* the panels' layout: native_dot.py's, codes4, pair_codes4 */
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define SHARED_CODES 1
+
+/* qx's bytes in each group of 8 inputs as the code panels' lanes hold them: the even inputs, then the odd. */
+static void codes_order(int8_t *qx, int64_t n) {
+    const __m512i order = _mm512_set_epi64(0x0f0d0b090e0c0a08, 0x0705030106040200, 0x0f0d0b090e0c0a08,
+                                           0x0705030106040200, 0x0f0d0b090e0c0a08, 0x0705030106040200,
+                                           0x0f0d0b090e0c0a08, 0x0705030106040200);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        _mm512_storeu_si512(qx + i, _mm512_shuffle_epi8(_mm512_loadu_si512(qx + i), order));
+    for (; i < n; i += 32) { /* n is a multiple of 32 */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qx + i));
+        _mm256_storeu_si256((__m256i *)(qx + i), _mm256_shuffle_epi8(v, _mm512_castsi512_si256(order)));
+    }
+}
+
+/* One 64-byte load of a code panel's rows (4 rows: inputs 8j .. 8j + 7) -> its even and odd inputs' codes,
+ * four of each column in its lane. codes4: lane o, byte r <- byte 16 r + o, both nibbles column o's; pair
+ * order: bytes 16 r + 2 (o % 8) + e (e = 0 for even inputs, 1 for odd), whose low nibble is column o % 8's
+ * and high one column 8 + o % 8's. */
+static inline __attribute__((always_inline)) void gathered(__m512i v, int pairs, __m512i *even, __m512i *odd) {
+    const __m512i low = _mm512_set1_epi8(15), bytes = _mm512_set1_epi32(0x01010101);
+    const __m512i rows = _mm512_set1_epi32(0x30201000); /* byte r: 16 r */
+    if (pairs) {
+        const __m512i column = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+        const __m512i nibble = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+        __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(column, bytes), rows);
+        *even = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(at, v), nibble), low);
+        at = _mm512_add_epi32(at, bytes);
+        *odd = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(at, v), nibble), low);
+    } else {
+        const __m512i column = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i t = _mm512_permutexvar_epi8(_mm512_add_epi32(_mm512_mullo_epi32(column, bytes), rows), v);
+        *even = _mm512_and_si512(t, low);
+        *odd = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+    }
+}
+#else
+#define SHARED_CODES 0
+#endif
 
 #ifdef __AVX512BW__
-/* n rows of quantized x (qx, d, s: quantize_i8's) times one panel -> y (row stride out, `cols` columns). */
+/* n rows of quantized x (qx, d, s: quantize_i8's; reordered by codes_order for the code panels) times one
+ * panel of `layout` -> y (row stride out, `cols` columns). */
 static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, const float *d, const float *s,
                                                             const uint8_t *panel, float *y, int64_t in, int64_t out,
-                                                            int64_t cols, int n) {
+                                                            int64_t cols, int layout, int n) {
     int64_t groups = in / 32;
     __m512 acc[TILE_ROWS], off[TILE_ROWS];
     for (int r = 0; r < n; r++) acc[r] = off[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
+    const int scales = layout == Q4_OWN ? 256 : 0, codes = layout == Q4_OWN ? 0 : 64; /* byte offsets */
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = panel + g * Q4_PANEL_GROUP;
         for (int k = 0; k < 5; k++) __builtin_prefetch(p + Q4_AHEAD + 64 * k, 0, 3);
         __m512i c[8];
         for (int j = 0; j < 4; j++) {
-            __m512i v = _mm512_loadu_si512((const void *)(p + 64 * j));
+            __m512i v = _mm512_loadu_si512((const void *)(p + codes + 64 * j));
+#if SHARED_CODES
+            if (layout != Q4_OWN) {
+                gathered(v, layout == Q4_PAIR_CODES, &c[2 * j], &c[2 * j + 1]);
+                continue;
+            }
+#endif
             c[j] = _mm512_and_si512(v, low);
             c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
-        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
-        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + scales)));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + scales + 32)));
         for (int r = 0; r < n; r++) {
             const int32_t *xq = (const int32_t *)(qx + r * in + g * 32); /* 8 quads of activations */
             __m512 sum = _mm512_cvtepi32_ps(dot32(c, xq, 0));
@@ -1934,7 +1993,8 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
 /* The AVX-512 tile's arithmetic on 8-lane halves (the same bits: integer sums, then the same float ops). */
 static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, const float *d, const float *s,
                                                             const uint8_t *panel, float *y, int64_t in, int64_t out,
-                                                            int64_t cols, int n) {
+                                                            int64_t cols, int layout, int n) {
+    (void)layout; /* Q4_OWN: the code panels' layouts need AVX512-VBMI */
     int64_t groups = in / 32;
     __m256 acc[2][TILE_ROWS], off[2][TILE_ROWS];
     for (int h = 0; h < 2; h++)
@@ -1965,13 +2025,16 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
 }
 #endif
 
-/* x [rows, in] float32, panels as above -> y [rows, out]; in % 32 == 0. */
-void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
-                  int threads) {
+/* x [rows, in] float32, panels of `layout` -> y [rows, out]; in % 32 == 0. */
+static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
+                  int layout, int threads) {
     int64_t groups = in / 32, count = (out + PANEL - 1) / PANEL;
     float *d, *s;
     int32_t *qsum;
     int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
+#if SHARED_CODES
+    if (layout != Q4_OWN) codes_order(qx, rows * in);
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *panel = panels + p * groups * Q4_PANEL_GROUP;
@@ -1981,116 +2044,30 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
             const float *dr = d + r * groups, *sr = s + r * groups;
             float *yr = y + r * out + p * PANEL;
             int64_t cols = out - p * PANEL;
-            BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols);
+            if (layout == Q4_CODES) {
+                BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_CODES);
+            } else if (layout == Q4_PAIR_CODES) {
+                BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_PAIR_CODES);
+            } else {
+                BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_OWN);
+            }
             r += n;
         }
     }
     free(qx);
 }
 
-/* The same int8-activation products read from the float backends' 4-bit code panels (native_codes.py:
- * per group, 16 float16 scales, 16 offsets, then 16 rows of 16 code bytes, each byte two inputs of one
- * column in `codes4` order, or of two columns in pair order), so a quantized self-draft multiplies the
- * very bytes its target streams: one copy of the weights, not two. vpermb (AVX512-VBMI) gathers each
- * column's four code bytes of a 64-byte load into its 32-bit lane; a column's nibbles there are the even
- * inputs 8j, 8j + 2, 8j + 4, 8j + 6 (low) and the odd ones (high), so the quantized activations are
- * reordered to match (codes_order) and one vpdpbusd multiplies four of each as in q4i8_tile. The integer
- * sums are the same integers, and the float steps q4i8_tile's, so on the same codes the bits are
- * linear_q4_i8's. */
-#if defined(DOT_I8) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-#define SHARED_CODES 1
-#define CODES4_BLOCK 320 /* code_block(4) */
-
-/* qx's bytes in each group of 8 inputs as the codes' lanes hold them: the even inputs, then the odd. */
-static void codes_order(int8_t *qx, int64_t n) {
-    const __m512i order = _mm512_set_epi64(0x0f0d0b090e0c0a08, 0x0705030106040200, 0x0f0d0b090e0c0a08,
-                                           0x0705030106040200, 0x0f0d0b090e0c0a08, 0x0705030106040200,
-                                           0x0f0d0b090e0c0a08, 0x0705030106040200);
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64)
-        _mm512_storeu_si512(qx + i, _mm512_shuffle_epi8(_mm512_loadu_si512(qx + i), order));
-    for (; i < n; i += 32) { /* n is a multiple of 32 */
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qx + i));
-        _mm256_storeu_si256((__m256i *)(qx + i), _mm256_shuffle_epi8(v, _mm512_castsi512_si256(order)));
-    }
+/* x [rows, in] float32, panels as above -> y [rows, out]; in % 32 == 0. */
+void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
+                  int threads) {
+    q4_i8(x, panels, y, rows, in, out, Q4_OWN, threads);
 }
 
-/* n rows of reordered qx times one code panel (pairs: pair order) -> y, as q4i8_tile. */
-static inline __attribute__((always_inline)) void q4c_tile(const int8_t *qx, const float *d, const float *s,
-                                                           const uint8_t *panel, float *y, int64_t in, int64_t out,
-                                                           int64_t cols, int pairs, int n) {
-    int64_t groups = in / 32;
-    __m512 acc[TILE_ROWS], off[TILE_ROWS];
-    for (int r = 0; r < n; r++) acc[r] = off[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(15);
-    /* lane o, byte r <- byte 16 r + o of a load (codes4: both nibbles column o's); pair order: bytes
-     * 16 r + 2 (o % 8) + e, e = 0 then 1, whose low nibble is column o % 8's and high one column 8 + o % 8's */
-    __m512i gather, even, odd;
-    const __m512i nibble = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
-    {
-        uint8_t a[64], b[64], c[64];
-        for (int o = 0; o < 16; o++)
-            for (int r = 0; r < 4; r++) {
-                a[4 * o + r] = (uint8_t)(16 * r + o);
-                b[4 * o + r] = (uint8_t)(16 * r + 2 * (o % 8));
-                c[4 * o + r] = (uint8_t)(16 * r + 2 * (o % 8) + 1);
-            }
-        gather = _mm512_loadu_si512(a), even = _mm512_loadu_si512(b), odd = _mm512_loadu_si512(c);
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p = panel + g * CODES4_BLOCK;
-        for (int k = 0; k < 5; k++) __builtin_prefetch(p + Q4_AHEAD + 64 * k, 0, 3);
-        __m512i c[8];
-        for (int j = 0; j < 4; j++) {
-            __m512i v = _mm512_loadu_si512((const void *)(p + 64 + 64 * j));
-            if (pairs) {
-                c[2 * j] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(even, v), nibble), low);
-                c[2 * j + 1] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(odd, v), nibble), low);
-            } else {
-                __m512i t = _mm512_permutexvar_epi8(gather, v);
-                c[2 * j] = _mm512_and_si512(t, low);
-                c[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-            }
-        }
-        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32)));
-        for (int r = 0; r < n; r++) {
-            const int32_t *xq = (const int32_t *)(qx + r * in + g * 32);
-            __m512 sum = _mm512_cvtepi32_ps(dot32(c, xq, 0));
-            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])), acc[r]);
-            off[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * groups + g]), off[r]);
-        }
-    }
-    __mmask16 keep = real_lanes(cols);
-    for (int r = 0; r < n; r++) _mm512_mask_storeu_ps(y + r * out, keep, _mm512_add_ps(acc[r], off[r]));
-}
-
-/* x [rows, in] float32, 4-bit code panels (pairs: in pair order) -> y [rows, out]; in % 32 == 0. */
+#if SHARED_CODES
+/* x [rows, in] float32, native_codes.py's 4-bit code panels (pairs: in pair order) -> y [rows, out]. */
 void linear_q4_codes_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
                         int pairs, int threads) {
-    int64_t groups = in / 32, count = (out + PANEL - 1) / PANEL;
-    float *d, *s;
-    int32_t *qsum;
-    int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
-    codes_order(qx, rows * in);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < count; p++) {
-        const uint8_t *panel = panels + p * groups * CODES4_BLOCK;
-        for (int64_t r = 0; r < rows;) {
-            int n = tile_rows(rows - r);
-            const int8_t *xr = qx + r * in;
-            const float *dr = d + r * groups, *sr = s + r * groups;
-            float *yr = y + r * out + p * PANEL;
-            int64_t cols = out - p * PANEL;
-            if (pairs) {
-                BY_ROWS(n, q4c_tile, xr, dr, sr, panel, yr, in, out, cols, 1);
-            } else {
-                BY_ROWS(n, q4c_tile, xr, dr, sr, panel, yr, in, out, cols, 0);
-            }
-            r += n;
-        }
-    }
-    free(qx);
+    q4_i8(x, panels, y, rows, in, out, pairs ? Q4_PAIR_CODES : Q4_CODES, threads);
 }
 #endif
 
