@@ -328,17 +328,31 @@ def same_draw(mine: torch.Tensor, theirs: torch.Tensor, params: SamplingParams) 
     return torch.allclose(a / a.sum(), b / b.sum(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["timed", "native4i8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @torch.inference_mode()
-def test_rows_draft_in_one_native_call(tiny_checkpoint, dtype, monkeypatch):
+def test_rows_draft_in_one_native_call(tiny_checkpoint, dtype, backend, monkeypatch):
     """The quantized draft of rows with one γ runs in one native.c call (ops.Fused.draft): the tokens, the
     cache lengths and the draft K/V are those of the step-by-step path, for a lone row and for a batch (a
     row with γ = 0 drafting nothing), greedy rows and sampled ones, with top-k and top-p too (the same
     tokens from the same seeds, q within float rounding); penalized rows, or rows of different γ, take
-    that path."""
+    that path. `native4i8`: the draft's layers forced onto the int8-activation kernel, whose passes run
+    in one OpenMP team (native.c's team_pass), whatever the timing on this machine picks."""
     from selfspec import Engine
+    from selfspec.model import loader
 
+    if backend != "timed":
+        if QUANTIZED["int4"][0].unavailable(getattr(torch, dtype)):
+            pytest.skip(QUANTIZED["int4"][0].unavailable(getattr(torch, dtype)))
+        timed = loader.plan
+        forced = {"backend": backend}
+        monkeypatch.setattr(
+            loader, "plan", lambda d, w="auto", **kw: timed(d, w, **(kw | forced if w == "int4" else kw))
+        )
     engine = Engine.from_pretrained(str(tiny_checkpoint), dtype=dtype)
+    if backend != "timed":
+        assert engine.drafter(SpecConfig(None, 6, "int4")).draft.kernels.backend == backend
+        monkeypatch.undo()
     drafter, model, cache = engine.drafter(SpecConfig(None, 6, "int4")), engine.model, engine.cache
     prompts = ("The quick brown fox jumps over", "1 2 3 4 5 6 7", "hello")
     seqs, lasts = [], []

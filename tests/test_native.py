@@ -120,6 +120,7 @@ LAYER_BACKENDS = [
     ("int8", "native8", torch.float32),
     ("int8", "native8i8", torch.float32),
     ("int4", "native4", torch.float32),
+    ("int4", "native4i8", torch.float32),
     ("int4", "native4i8", torch.bfloat16),
 ]
 

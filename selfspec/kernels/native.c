@@ -293,10 +293,10 @@ void add_norm(const void *h, const void *y, void *h_out, const void *w, void *x,
     }
 }
 
-/* Row r of silu_mul. */
-static inline __attribute__((always_inline)) void silu_row(const void *gate_up, void *out, int64_t r, int64_t n,
-                                                           int bf) {
-    for (int64_t i = 0; i < n; i += LANES) {
+/* Elements [i0, i1) of row r of silu_mul (i0 a multiple of LANES). */
+static inline __attribute__((always_inline)) void silu_span(const void *gate_up, void *out, int64_t r, int64_t n,
+                                                            int64_t i0, int64_t i1, int bf) {
+    for (int64_t i = i0; i < i1; i += LANES) {
         v8 g = getn(gate_up, r * 2 * n + i, n - i, bf);
         v8 act = round8(g / (exp8(-g) + 1.0f), bf);
         putn(out, r * n + i, act * getn(gate_up, r * 2 * n + n + i, n - i, bf), n - i, bf);
@@ -306,7 +306,7 @@ static inline __attribute__((always_inline)) void silu_row(const void *gate_up, 
 /* gate_up [rows, 2 * n] (gate then up) -> out [rows, n] = silu(gate) * up. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int bf, int threads) {
 #pragma omp parallel for schedule(static) GLUE_TEAM(rows * n, threads)
-    for (int64_t r = 0; r < rows; r++) bf ? silu_row(gate_up, out, r, n, 1) : silu_row(gate_up, out, r, n, 0);
+    for (int64_t r = 0; r < rows; r++) bf ? silu_span(gate_up, out, r, n, 0, n, 1) : silu_span(gate_up, out, r, n, 0, n, 0);
 }
 
 /* a [count] in one float format -> b in the other (widen: bfloat16 to float32, else float32 to bfloat16
@@ -821,48 +821,70 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
  *               of its seq_len rows are padding: written to their slot, output zero)
  *   out         [batch * seq_len, heads * dim]
  * A row at position p attends to keys [max(0, p + 1 - window), p] (window 0: no window). The queries
- * (a row's query heads) of all sequences, span by span, are split over `threads` OpenMP threads; a
- * query's arithmetic is the same on any. */
-void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots, const int64_t *positions,
-            const int64_t *write_slots, const int64_t *tables, int64_t max_blocks, int64_t block_size,
-            const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
-            int64_t dim, int64_t window, float scale, int bf, int threads) {
-    int64_t rows = batch * seq_len, width = (heads + 2 * kv_heads) * dim, group = heads / kv_heads;
+ * (a row's query heads) of all sequences, span by span, are split over the threads; a query's arithmetic
+ * is the same on any. In three parts, so that a team already running (team_layer) can call them:
+ * attention_plan on one thread, then attention_share and, after a barrier, attention_merge on each. */
+typedef struct {
+    void *qkv;
+    const void *cos, *sin;
+    void *kv;
+    int64_t slots;
+    const int64_t *positions, *write_slots, *tables;
+    int64_t max_blocks, block_size;
+    const int64_t *num_tokens;
+    int64_t batch, seq_len;
+    void *out;
+    int64_t heads, kv_heads, dim, window;
+    float scale;
+    int bf;
+    /* attention_plan's: each row's key range [begin, end), each sequence's union [lo, hi), its keys' slots,
+     * its spans and where its partials start, the total cost and queries, the partials */
+    int64_t *begin, *end, *lo, *hi, **slot, *spans, *parts_at, cost, queries;
+    float *partial;
+} attention;
+
+/* RoPE, the cache writes, and the split of the work (A's arguments set, the rest made here). */
+static void attention_plan(attention *A) {
+    int64_t batch = A->batch, seq_len = A->seq_len, heads = A->heads, kv_heads = A->kv_heads, dim = A->dim;
+    int64_t rows = batch * seq_len, width = (heads + 2 * kv_heads) * dim, slots = A->slots;
+    const int64_t *positions = A->positions, *num_tokens = A->num_tokens;
+    int bf = A->bf;
     float *t = malloc(sizeof(float) * (size_t)(dim + LANES));
     size_t elem = bf ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
         int64_t pos = positions[r];
         for (int64_t hd = 0; hd < heads + kv_heads; hd++)
-            rope(qkv, r * width + hd * dim, (const char *)cos + pos * dim * elem,
-                 (const char *)sin + pos * dim * elem, dim, t, bf);
+            rope(A->qkv, r * width + hd * dim, (const char *)A->cos + pos * dim * elem,
+                 (const char *)A->sin + pos * dim * elem, dim, t, bf);
         for (int64_t g = 0; g < kv_heads; g++) {
-            char *src = (char *)qkv + (r * width + (heads + g) * dim) * elem;
-            memcpy((char *)kv + ((g * slots) + write_slots[r]) * dim * elem, src, dim * elem);
-            memcpy((char *)kv + (((kv_heads + g) * slots) + write_slots[r]) * dim * elem,
+            char *src = (char *)A->qkv + (r * width + (heads + g) * dim) * elem;
+            memcpy((char *)A->kv + ((g * slots) + A->write_slots[r]) * dim * elem, src, dim * elem);
+            memcpy((char *)A->kv + (((kv_heads + g) * slots) + A->write_slots[r]) * dim * elem,
                    src + kv_heads * dim * elem, dim * elem);
         }
     }
     free(t);
-    /* per sequence: row j's key range [begin, end), the union [lo, hi) and each key's slot */
-    int64_t *begin = malloc(sizeof(int64_t) * (size_t)(2 * rows + 2 * batch)), *end = begin + rows;
-    int64_t *lo = end + rows, *hi = lo + batch, **slot = malloc(sizeof(int64_t *) * (size_t)batch);
+    int64_t *begin = A->begin = malloc(sizeof(int64_t) * (size_t)(2 * rows + 2 * batch)), *end = A->end = begin + rows;
+    int64_t *lo = A->lo = end + rows, *hi = A->hi = lo + batch;
+    int64_t **slot = A->slot = malloc(sizeof(int64_t *) * (size_t)batch);
     for (int64_t b = 0; b < batch; b++) {
         int64_t first = b * seq_len, m = num_tokens[b];
         if (m < seq_len) /* padding rows (0.0 is all zero bits in either format) */
-            memset((char *)out + (first + m) * heads * dim * elem, 0, (size_t)((seq_len - m) * heads * dim) * elem);
+            memset((char *)A->out + (first + m) * heads * dim * elem, 0,
+                   (size_t)((seq_len - m) * heads * dim) * elem);
         lo[b] = INT64_MAX, hi[b] = 0, slot[b] = NULL;
         if (m == 0) continue;
         for (int64_t j = first; j < first + m; j++) {
             end[j] = positions[j] + 1;
-            begin[j] = window > 0 && end[j] > window ? end[j] - window : 0;
+            begin[j] = A->window > 0 && end[j] > A->window ? end[j] - A->window : 0;
             if (begin[j] < lo[b]) lo[b] = begin[j];
             if (end[j] > hi[b]) hi[b] = end[j];
         }
-        const int64_t *table = tables + b * max_blocks;
+        const int64_t *table = A->tables + b * A->max_blocks;
         slot[b] = malloc(sizeof(int64_t) * (size_t)(hi[b] - lo[b]));
         for (int64_t k = lo[b]; k < hi[b];) { /* key k's cache slot, block by block (no division per key) */
-            int64_t block = table[k / block_size], off = k % block_size;
-            for (; off < block_size && k < hi[b]; off++, k++) slot[b][k - lo[b]] = block * block_size + off;
+            int64_t block = table[k / A->block_size], off = k % A->block_size;
+            for (; off < A->block_size && k < hi[b]; off++, k++) slot[b][k - lo[b]] = block * A->block_size + off;
         }
     }
     /* The keys in spans of SPAN at fixed positions ([0, SPAN), [SPAN, 2 SPAN) ..): each query takes a
@@ -874,74 +896,113 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
      * 1000-token context (AMD EPYC Zen 3, 2 threads, before / after alternating twice), what is not the
      * linears of a step: int4 draft 1 row 3.07 / 2.66 -> 2.33 / 2.42 ms, 5 rows 7.96 / 7.00 -> 6.81 /
      * 6.77 ms; float32 1 row 3.35 / 3.32 -> 2.95 / 3.07 ms, 5 rows 7.12 / 6.93 -> 6.30 / 6.56 ms. */
-    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(2 * batch)), *parts_at = spans + batch;
-    int64_t cost = 0, entries = 0, queries = 0;
+    int64_t *spans = A->spans = malloc(sizeof(int64_t) * (size_t)(2 * batch)), *parts_at = A->parts_at = spans + batch;
+    int64_t entries = 0;
+    A->cost = A->queries = 0;
     for (int64_t b = 0; b < batch; b++) {
         int64_t n = heads * num_tokens[b]; /* the sequence's queries */
         spans[b] = n ? (hi[b] - 1) / SPAN - lo[b] / SPAN + 1 : 0;
         parts_at[b] = entries;
         entries += n * spans[b];
-        cost += n ? n * (hi[b] - lo[b]) : 0;
-        queries += n;
+        A->cost += n ? n * (hi[b] - lo[b]) : 0;
+        A->queries += n;
     }
-    int64_t pstride = dim + 2; /* a partial: the weighted sum [dim], the top score, the sum of exps */
-    float *partial = malloc(sizeof(float) * (size_t)(entries * pstride));
-#pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();
-#else
-        int64_t part = 0, parts = 1;
-#endif
-        int64_t from = cost * part / parts, to = cost * (part + 1) / parts, at = 0;
-        for (int64_t b = 0; b < batch; b++) {
-            int64_t m = num_tokens[b], per = group * m, first = b * seq_len, s0 = lo[b] / SPAN;
-            for (int64_t g = 0; g < kv_heads && m; g++)
-                for (int64_t s = 0; s < spans[b]; s++) {
-                    int64_t a = (s0 + s) * SPAN > lo[b] ? (s0 + s) * SPAN : lo[b];
-                    int64_t z = (s0 + s + 1) * SPAN < hi[b] ? (s0 + s + 1) * SPAN : hi[b], keys = z - a;
-                    /* this thread's items: those whose cost starts in [from, to) */
-                    int64_t i0 = from <= at ? 0 : (from - at + keys - 1) / keys;
-                    int64_t i1 = to <= at ? 0 : (to - at + keys - 1) / keys;
-                    i0 = i0 < per ? i0 : per, i1 = i1 < per ? i1 : per;
-                    if (i0 < i1)
-                        attend_group(qkv, kv, slots, slot[b] + (a - lo[b]), a, z, begin + first, end + first, first,
-                                     m, g, i0, i1, heads, kv_heads, dim, width, scale,
-                                     partial + (parts_at[b] + (g * per + i0) * spans[b] + s) * pstride,
-                                     spans[b] * pstride, bf);
-                    at += per * keys;
-                }
-        }
-        TILES_ONLY(if (bf && granted) _tile_release()); /* tile_scores': not saved at every context switch */
-#pragma omp barrier
-        /* the merge, queries split evenly: out = sum_s acc_s w_s / sum_s total_s w_s, w_s = exp(top_s -
-         * top), top the largest top_s (w = 1 exactly there, so one span's result is acc / total) */
-        int64_t q0 = queries * part / parts, q1 = queries * (part + 1) / parts, base = 0;
-        for (int64_t b = 0; b < batch; base += heads * num_tokens[b], b++) {
-            int64_t m = num_tokens[b], per = group * m, n = spans[b];
-            for (int64_t u = q0 > base ? q0 : base; u < q1 && u < base + heads * m; u++) {
-                int64_t g = (u - base) / per, i = (u - base) % per;
-                const float *e = partial + (parts_at[b] + (g * per + i) * n) * pstride;
-                float top = -INFINITY, w[n];
-                for (int64_t s = 0; s < n; s++) w[s] = e[s * pstride + dim]; /* the span's top score */
-                for (int64_t s = 0; s < n; s++) top = w[s] > top ? w[s] : top;
-                for (int64_t s = 0; s < n; s++) w[s] = w[s] == top ? 1.0f : expf(w[s] - top);
-                float total = e[dim + 1] * w[0];
-                for (int64_t s = 1; s < n; s++) total += e[s * pstride + dim + 1] * w[s];
-                int64_t head = g * group + i / m, at = (b * seq_len + i % m) * heads * dim + head * dim;
-                for (int64_t d = 0; d < dim; d += LANES) {
-                    v8 sum = load8(e + d) * splat8(w[0]);
-                    for (int64_t s = 1; s < n; s++) sum += load8(e + s * pstride + d) * splat8(w[s]);
-                    put8(out, at + d, sum / total, bf);
-                }
+    A->partial = malloc(sizeof(float) * (size_t)(entries * (dim + 2)));
+}
+
+/* Thread `part` of `parts`: its items' partials (those whose cost starts in its even share). */
+static void attention_share(const attention *A, int64_t part, int64_t parts) {
+    int64_t group = A->heads / A->kv_heads, width = (A->heads + 2 * A->kv_heads) * A->dim, pstride = A->dim + 2;
+    int64_t from = A->cost * part / parts, to = A->cost * (part + 1) / parts, at = 0;
+    for (int64_t b = 0; b < A->batch; b++) {
+        int64_t m = A->num_tokens[b], per = group * m, first = b * A->seq_len, s0 = A->lo[b] / SPAN;
+        int64_t lo = A->lo[b], hi = A->hi[b], spans = A->spans[b];
+        for (int64_t g = 0; g < A->kv_heads && m; g++)
+            for (int64_t s = 0; s < spans; s++) {
+                int64_t a = (s0 + s) * SPAN > lo ? (s0 + s) * SPAN : lo;
+                int64_t z = (s0 + s + 1) * SPAN < hi ? (s0 + s + 1) * SPAN : hi, keys = z - a;
+                int64_t i0 = from <= at ? 0 : (from - at + keys - 1) / keys;
+                int64_t i1 = to <= at ? 0 : (to - at + keys - 1) / keys;
+                i0 = i0 < per ? i0 : per, i1 = i1 < per ? i1 : per;
+                if (i0 < i1)
+                    attend_group(A->qkv, A->kv, A->slots, A->slot[b] + (a - lo), a, z, A->begin + first,
+                                 A->end + first, first, m, g, i0, i1, A->heads, A->kv_heads, A->dim, width, A->scale,
+                                 A->partial + (A->parts_at[b] + (g * per + i0) * spans + s) * pstride,
+                                 spans * pstride, A->bf);
+                at += per * keys;
+            }
+    }
+    TILES_ONLY(if (A->bf && granted) _tile_release()); /* tile_scores': not saved at every context switch */
+}
+
+/* Thread `part` of `parts`: its even share of the queries merged from their partials, out = sum_s acc_s w_s /
+ * sum_s total_s w_s, w_s = exp(top_s - top), top the largest top_s (w = 1 exactly there, so one span's
+ * result is acc / total). */
+static void attention_merge(const attention *A, int64_t part, int64_t parts) {
+    int64_t group = A->heads / A->kv_heads, heads = A->heads, dim = A->dim, pstride = dim + 2;
+    int64_t q0 = A->queries * part / parts, q1 = A->queries * (part + 1) / parts, base = 0;
+    for (int64_t b = 0; b < A->batch; base += heads * A->num_tokens[b], b++) {
+        int64_t m = A->num_tokens[b], per = group * m, n = A->spans[b];
+        for (int64_t u = q0 > base ? q0 : base; u < q1 && u < base + heads * m; u++) {
+            int64_t g = (u - base) / per, i = (u - base) % per;
+            const float *e = A->partial + (A->parts_at[b] + (g * per + i) * n) * pstride;
+            float top = -INFINITY, w[n];
+            for (int64_t s = 0; s < n; s++) w[s] = e[s * pstride + dim]; /* the span's top score */
+            for (int64_t s = 0; s < n; s++) top = w[s] > top ? w[s] : top;
+            for (int64_t s = 0; s < n; s++) w[s] = w[s] == top ? 1.0f : expf(w[s] - top);
+            float total = e[dim + 1] * w[0];
+            for (int64_t s = 1; s < n; s++) total += e[s * pstride + dim + 1] * w[s];
+            int64_t head = g * group + i / m, at = (b * A->seq_len + i % m) * heads * dim + head * dim;
+            for (int64_t d = 0; d < dim; d += LANES) {
+                v8 sum = load8(e + d) * splat8(w[0]);
+                for (int64_t s = 1; s < n; s++) sum += load8(e + s * pstride + d) * splat8(w[s]);
+                put8(A->out, at + d, sum / total, A->bf);
             }
         }
     }
-    free(partial);
-    free(spans);
-    for (int64_t b = 0; b < batch; b++) free(slot[b]);
-    free(slot);
-    free(begin);
+}
+
+static void attention_done(attention *A) {
+    free(A->partial);
+    free(A->spans);
+    for (int64_t b = 0; b < A->batch; b++) free(A->slot[b]);
+    free(A->slot);
+    free(A->begin);
+}
+
+/* The thread's number and the team's size (0 of 1 outside a parallel region). */
+static inline int64_t thread_number(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int64_t team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots, const int64_t *positions,
+            const int64_t *write_slots, const int64_t *tables, int64_t max_blocks, int64_t block_size,
+            const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
+            int64_t dim, int64_t window, float scale, int bf, int threads) {
+    attention A = {.qkv = qkv, .cos = cos, .sin = sin, .kv = kv, .slots = slots, .positions = positions,
+                   .write_slots = write_slots, .tables = tables, .max_blocks = max_blocks, .block_size = block_size,
+                   .num_tokens = num_tokens, .batch = batch, .seq_len = seq_len, .out = out, .heads = heads,
+                   .kv_heads = kv_heads, .dim = dim, .window = window, .scale = scale, .bf = bf};
+    attention_plan(&A);
+#pragma omp parallel num_threads(threads)
+    {
+        attention_share(&A, thread_number(), team_size());
+#pragma omp barrier
+        attention_merge(&A, thread_number(), team_size());
+    }
+    attention_done(&A);
 }
 
 /* ---- linears: y [rows, out] = x [rows, in] @ W.T, float32 activations --------------------------------
@@ -2025,6 +2086,28 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
 }
 #endif
 
+/* Panel p of `layout` (at `panel`) for every row of quantized x (qx, d, s) -> its columns of y [rows, out]. */
+static inline __attribute__((always_inline)) void q4_panel(const int8_t *qx, const float *d, const float *s,
+                                                           const uint8_t *panel, float *y, int64_t rows, int64_t in,
+                                                           int64_t out, int64_t p, int layout) {
+    int64_t groups = in / 32;
+    for (int64_t r = 0; r < rows;) {
+        int n = tile_rows(rows - r);
+        const int8_t *xr = qx + r * in;
+        const float *dr = d + r * groups, *sr = s + r * groups;
+        float *yr = y + r * out + p * PANEL;
+        int64_t cols = out - p * PANEL;
+        if (layout == Q4_CODES) {
+            BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_CODES);
+        } else if (layout == Q4_PAIR_CODES) {
+            BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_PAIR_CODES);
+        } else {
+            BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_OWN);
+        }
+        r += n;
+    }
+}
+
 /* x [rows, in] float32, panels of `layout` -> y [rows, out]; in % 32 == 0. */
 static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
                   int layout, int threads) {
@@ -2036,24 +2119,7 @@ static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
     if (layout != Q4_OWN) codes_order(qx, rows * in);
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < count; p++) {
-        const uint8_t *panel = panels + p * groups * Q4_PANEL_GROUP;
-        for (int64_t r = 0; r < rows;) {
-            int n = tile_rows(rows - r);
-            const int8_t *xr = qx + r * in;
-            const float *dr = d + r * groups, *sr = s + r * groups;
-            float *yr = y + r * out + p * PANEL;
-            int64_t cols = out - p * PANEL;
-            if (layout == Q4_CODES) {
-                BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_CODES);
-            } else if (layout == Q4_PAIR_CODES) {
-                BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_PAIR_CODES);
-            } else {
-                BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_OWN);
-            }
-            r += n;
-        }
-    }
+    for (int64_t p = 0; p < count; p++) q4_panel(qx, d, s, panels + p * groups * Q4_PANEL_GROUP, y, rows, in, out, p, layout);
     free(qx);
 }
 
@@ -2501,11 +2567,164 @@ typedef struct { /* one layer's weights for `layers` (ops.Fused.layers builds th
     int64_t window; /* 0: none */
 } layer_spec;
 
+/* ---- a pass's layers in one OpenMP team -----------------------------------------------------------------
+ * `layer` opens a parallel region per linear and one for attention, and runs the glue and each linear's
+ * quantization of x between them on one thread: in a 1-row int4 draft step the second thread waited
+ * ~30 % of the time (perf over benchmarks/draft.py). Where every linear is an int8-activation 4-bit one
+ * (team_kind), one team runs all the layers instead: a row's glue on one thread (omp for over rows), each
+ * linear's x widened and quantized by every thread for itself (a row: ~1 us, less than a barrier) with the
+ * panels split as q4_i8 splits them, attention's items and merge as `attend` splits them. The same kernels
+ * and the same operations per element as `layer`, so the same bits. */
+#ifdef DOT_I8
+static int team_kind(const linear_spec *L) {
+    return L->kind == LINEAR_Q4_I8 ||
+           (SHARED_CODES && (L->kind == LINEAR_Q4_CODES_I8 || L->kind == LINEAR_Q4_PAIR_CODES_I8));
+}
+
+static int team_ready(const layer_spec *L, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        if (!team_kind(L[i].qkv) || !team_kind(L[i].o) || !team_kind(L[i].gate_up) || !team_kind(L[i].down))
+            return 0;
+    return count > 0;
+}
+
+typedef struct { /* one thread's: x widened and quantized for a linear, add_norm's row */
+    float *xf, *d, *s, *t;
+    int32_t *qsum;
+    int8_t *qx;
+} team_scratch;
+
+static team_scratch scratch_for(int64_t rows, int64_t in) { /* in: the widest input of the pass's linears */
+    int64_t n = rows * in, blocks = n / 32;
+    team_scratch S;
+    S.xf = malloc(sizeof(float) * (size_t)(n + 3 * blocks + in + LANES) + (size_t)n);
+    S.d = S.xf + n, S.s = S.d + blocks, S.qsum = (int32_t *)(S.s + blocks), S.t = (float *)(S.qsum + blocks);
+    S.qx = (int8_t *)(S.t + in + LANES);
+    return S;
+}
+
+/* The linear L (team_kind) on x [rows, in] in the pass's dtype -> y [rows, out] (bf: through yf [rows, out]
+ * float32, rounded to bfloat16 panel by panel as linear_act's convert rounds them); called by every thread
+ * of the team, and ends in its barrier. */
+static void team_linear(const linear_spec *L, const void *x, void *y, float *yf, int64_t rows, int bf,
+                        team_scratch *S) {
+    int64_t in = L->in, out = L->out, n = rows * in, count = (out + PANEL - 1) / PANEL;
+    int layout = L->kind == LINEAR_Q4_I8 ? Q4_OWN : L->kind == LINEAR_Q4_CODES_I8 ? Q4_CODES : Q4_PAIR_CODES;
+    const float *xf = x;
+    if (bf) {
+        for (int64_t i = 0; i < n; i += LANES) putn(S->xf, i, getn(x, i, n - i, 1), n - i, 0);
+        xf = S->xf;
+    }
+    quantize_i8(xf, S->qx, S->d, S->s, S->qsum, rows, in);
+#if SHARED_CODES
+    if (layout != Q4_OWN) codes_order(S->qx, n);
+#endif
+    float *dst = bf ? yf : y;
+    const uint8_t *panels = L->w;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < count; p++) {
+        q4_panel(S->qx, S->d, S->s, panels + p * (in / 32) * Q4_PANEL_GROUP, dst, rows, in, out, p, layout);
+        for (int64_t r = 0; r < rows && bf; r++)
+            for (int64_t c = p * PANEL; c < out && c < (p + 1) * PANEL; c += LANES)
+                putn(y, r * out + c, getn(yf, r * out + c, out - c, 0), out - c, 1);
+    }
+}
+
+typedef struct { /* what the team's threads share: one layer's activations, the states between layers */
+    char *x, *a, *b, *c, *states;
+    float *yf;
+    attention A;
+} team_buffers;
+
+static void team_alloc(team_buffers *B, const pass_info *P, const layer_spec *L) {
+    int64_t rows = P->batch * P->seq_len, n = P->hidden, elem = P->bf ? 2 : 4, inner = L->gate_up->out / 2;
+    int64_t width = L->qkv->out > L->gate_up->out ? L->qkv->out : L->gate_up->out;
+    width = width > n ? width : n;
+    B->x = malloc((size_t)(rows * (5 * n + 2 * width + inner) * elem) + sizeof(float) * (size_t)(rows * width));
+    B->a = B->x + rows * n * elem, B->b = B->a + rows * width * elem, B->c = B->b + rows * width * elem;
+    B->states = B->c + rows * inner * elem, B->yf = (float *)(B->states + 4 * rows * n * elem);
+}
+
+/* `layer` for every thread of a team. */
+static void team_layer(const pass_info *P, void *kv, int64_t slots, int64_t window, const void *h, const void *y,
+                       void *h_out, void *y_out, const layer_spec *L, team_buffers *B, team_scratch *S) {
+    int64_t rows = P->batch * P->seq_len, n = P->hidden, inner = L->gate_up->out / 2, chunks = (inner + 63) / 64;
+    int bf = (int)P->bf;
+    const void *stream = y ? h_out : h;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        bf ? add_norm_row(h, y, h_out, L->attn_norm, B->x, r, n, P->eps, S->t, 1)
+           : add_norm_row(h, y, h_out, L->attn_norm, B->x, r, n, P->eps, S->t, 0);
+    team_linear(L->qkv, B->x, B->a, B->yf, rows, bf, S);
+#pragma omp single
+    {
+        B->A = (attention){.qkv = B->a, .cos = P->cos, .sin = P->sin, .kv = kv, .slots = slots,
+                           .positions = P->positions, .write_slots = P->write_slots, .tables = P->tables,
+                           .max_blocks = P->max_blocks, .block_size = P->block_size, .num_tokens = P->num_tokens,
+                           .batch = P->batch, .seq_len = P->seq_len, .out = B->b, .heads = P->heads,
+                           .kv_heads = P->kv_heads, .dim = P->dim, .window = window, .scale = P->scale, .bf = bf};
+        attention_plan(&B->A);
+    }
+    attention_share(&B->A, thread_number(), team_size());
+#pragma omp barrier
+    attention_merge(&B->A, thread_number(), team_size());
+#pragma omp barrier
+#pragma omp single nowait
+    attention_done(&B->A);
+    team_linear(L->o, B->b, B->a, B->yf, rows, bf, S);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        bf ? add_norm_row(stream, B->a, h_out, L->mlp_norm, B->x, r, n, P->eps, S->t, 1)
+           : add_norm_row(stream, B->a, h_out, L->mlp_norm, B->x, r, n, P->eps, S->t, 0);
+    team_linear(L->gate_up, B->x, B->a, B->yf, rows, bf, S);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < rows * chunks; k++) { /* silu_mul in spans of 64 elements */
+        int64_t r = k / chunks, i0 = k % chunks * 64, i1 = i0 + 64 < inner ? i0 + 64 : inner;
+        bf ? silu_span(B->a, B->c, r, inner, i0, i1, 1) : silu_span(B->a, B->c, r, inner, i0, i1, 0);
+    }
+    team_linear(L->down, B->c, y_out, B->yf, rows, bf, S);
+}
+
+/* `layers` for every thread of a team (the states between layers in B's two pairs, used in turn). */
+static void team_pass(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots,
+                      const void *h, const void *y, void *h_out, void *y_out, team_buffers *B, team_scratch *S) {
+    size_t bytes = (size_t)(P->batch * P->seq_len * P->hidden * (P->bf ? 2 : 4));
+    for (int64_t i = 0; i < count; i++) {
+        void *ho = h_out, *yo = y_out;
+        if (i < count - 1) ho = B->states + (i % 2) * 2 * bytes, yo = (char *)ho + bytes;
+        team_layer(P, kv[i], slots, L[i].window, h, y, ho, yo, &L[i], B, S);
+        h = ho, y = yo;
+    }
+}
+
+/* The widest input of the layers' linears and the hidden size (the LM head's). */
+static int64_t widest(const pass_info *P, const layer_spec *L) {
+    int64_t w = P->hidden;
+    const linear_spec *all[4] = {L->qkv, L->o, L->gate_up, L->down};
+    for (int i = 0; i < 4; i++) w = all[i]->in > w ? all[i]->in : w;
+    return w;
+}
+#endif
+
 /* `count` consecutive layers (L[i], cache kv[i]) in one call: `layer` after `layer`, the states between
  * them in two scratch pairs used in turn, the last layer's into h_out and y_out. The same calls in the
  * same order as one `layer` call each, so the same bits, without ~20 us of Python per layer. */
 void layers(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots, const void *h,
             const void *y, void *h_out, void *y_out) {
+#ifdef DOT_I8
+    if (team_ready(L, count)) {
+        team_buffers B;
+        team_alloc(&B, P, L);
+#pragma omp parallel num_threads((int)P->threads)
+        {
+            team_scratch S = scratch_for(P->batch * P->seq_len, widest(P, L));
+            team_pass(P, L, count, kv, slots, h, y, h_out, y_out, &B, &S);
+            free(S.xf);
+        }
+        free(B.x);
+        return;
+    }
+#endif
     size_t bytes = (size_t)(P->batch * P->seq_len * P->hidden * (P->bf ? 2 : 4));
     char *scratch = count > 1 ? malloc(4 * bytes) : NULL;
     for (int64_t i = 0; i < count; i++) {
@@ -2836,46 +3055,106 @@ void accept_drafts(const float *logits, int64_t rows, int64_t width, int64_t voc
  * path's (decoder.forward, DecoderModel.logits, Shortlist, then sampling.argmax or a draw), so the same
  * greedy tokens, without its ~0.4-0.6 ms of Python and tensor bookkeeping per draft step (~10 % of a
  * greedy draft token here, ~25 % of a sampled one). out: [batch, steps]. */
+typedef struct { /* draft_tokens' state, which its steps share */
+    const pass_info *P;
+    pass_info Q; /* one step's pass: one row per sequence */
+    const void *embed, *norm, *weight;
+    const linear_spec *head;
+    int64_t k;
+    const float *temperature, *top_p, *u;
+    const int64_t *top_k;
+    float *q, *xf, *scores;
+    int64_t *out, *pos, *slot, *next;
+    char *h, *h_out, *y_out, *x;
+    double *part;
+    ranks R;
+} drafting;
+
+/* Step j's inputs: each row's position, slot and embedded token. */
+static void draft_inputs(drafting *D, int64_t j) {
+    const pass_info *P = D->P;
+    int64_t n = P->hidden, elem = P->bf ? 2 : 4, steps = P->seq_len;
+    for (int64_t b = 0; b < P->batch; b++) {
+        D->pos[b] = P->positions[b * steps + j], D->slot[b] = P->write_slots[b * steps + j];
+        memcpy(D->h + b * n * elem, (const char *)D->embed + D->next[b] * n * elem, (size_t)(n * elem));
+    }
+}
+
+/* The last residual added and the final norm, in float32 for the head. */
+static void draft_norm(drafting *D, int threads) {
+    const pass_info *P = D->P;
+    int64_t rows = P->batch, n = P->hidden;
+    int bf = (int)P->bf;
+    for (int64_t i = 0; i < rows * n; i++) put(D->h, i, get(D->h_out, i, bf) + get(D->y_out, i, bf), bf); /* h + y */
+    add_norm(D->h, NULL, NULL, D->norm, D->x, rows, n, P->eps, bf, threads);
+    for (int64_t i = 0; i < rows * n; i++) D->xf[i] = get(D->x, i, bf);
+}
+
+/* The shortlist's exact scores, then each row's step-j token. */
+static void draft_pick(drafting *D, int64_t j) {
+    const pass_info *P = D->P;
+    int64_t rows = P->batch, steps = P->seq_len, vocab = D->head->out;
+    shortlist(D->scores, rows, vocab, D->k, D->xf, P->hidden, D->weight, (int)P->bf);
+    for (int64_t b = 0; b < rows; b++) {
+        const float *s = D->scores + b * vocab;
+        if (D->temperature && D->temperature[b] > 0)
+            D->next[b] = draw(s, vocab, D->temperature[b], D->top_k[b], D->top_p[b], D->u[b * steps + j],
+                              D->q + (b * steps + j) * vocab, D->part, &D->R);
+        else
+            argmax_rows(s, 1, vocab, D->next + b);
+        D->out[b * steps + j] = D->next[b];
+    }
+}
+
 void draft_tokens(const pass_info *P, const layer_spec *L, int64_t count, void *const *kv, int64_t slots,
                   const void *embed, const void *norm, const linear_spec *head, int64_t k, const void *weight,
                   const int64_t *tokens, const float *temperature, const int64_t *top_k, const float *top_p,
                   const float *u, float *q, int64_t *out) {
     int64_t rows = P->batch, steps = P->seq_len, n = P->hidden, vocab = head->out, elem = P->bf ? 2 : 4;
-    int bf = (int)P->bf, threads = (int)P->threads;
-    char *h = malloc((size_t)(4 * rows * n * elem) + sizeof(float) * (size_t)(rows * (n + vocab)));
-    char *h_out = h + rows * n * elem, *y_out = h_out + rows * n * elem, *x = y_out + rows * n * elem;
-    float *xf = (float *)(x + rows * n * elem), *scores = xf + rows * n;
-    double *part = malloc(sizeof(double) * (size_t)(vocab / LANES + 1 + RANKS));
-    ranks R = {part + vocab / LANES + 1, malloc(sizeof(int64_t) * RANKS), malloc(sizeof(float) * (size_t)vocab)};
-    int64_t *meta = malloc(sizeof(int64_t) * (size_t)(4 * rows)), *ones = meta, *pos = ones + rows;
-    int64_t *slot = pos + rows, *next = slot + rows;
-    pass_info Q = *P;
-    Q.num_tokens = ones, Q.seq_len = 1, Q.positions = pos, Q.write_slots = slot;
-    for (int64_t b = 0; b < rows; b++) ones[b] = 1, next[b] = tokens[b];
-    for (int64_t j = 0; j < steps; j++) {
-        for (int64_t b = 0; b < rows; b++) {
-            pos[b] = P->positions[b * steps + j], slot[b] = P->write_slots[b * steps + j];
-            memcpy(h + b * n * elem, (const char *)embed + next[b] * n * elem, (size_t)(n * elem));
+    drafting D = {.P = P, .Q = *P, .embed = embed, .norm = norm, .weight = weight, .head = head, .k = k,
+                  .temperature = temperature, .top_p = top_p, .u = u, .top_k = top_k, .q = q, .out = out};
+    D.h = malloc((size_t)(4 * rows * n * elem) + sizeof(float) * (size_t)(rows * (n + vocab)));
+    D.h_out = D.h + rows * n * elem, D.y_out = D.h_out + rows * n * elem, D.x = D.y_out + rows * n * elem;
+    D.xf = (float *)(D.x + rows * n * elem), D.scores = D.xf + rows * n;
+    D.part = malloc(sizeof(double) * (size_t)(vocab / LANES + 1 + RANKS));
+    D.R = (ranks){D.part + vocab / LANES + 1, malloc(sizeof(int64_t) * RANKS), malloc(sizeof(float) * (size_t)vocab)};
+    int64_t *meta = malloc(sizeof(int64_t) * (size_t)(4 * rows)), *ones = meta;
+    D.pos = ones + rows, D.slot = D.pos + rows, D.next = D.slot + rows;
+    D.Q.num_tokens = ones, D.Q.seq_len = 1, D.Q.positions = D.pos, D.Q.write_slots = D.slot;
+    for (int64_t b = 0; b < rows; b++) ones[b] = 1, D.next[b] = tokens[b];
+#ifdef DOT_I8
+    if (team_ready(L, count) && team_kind(head)) { /* every step in one team */
+        team_buffers B;
+        team_alloc(&B, &D.Q, L);
+#pragma omp parallel num_threads((int)P->threads)
+        {
+            team_scratch S = scratch_for(rows, widest(P, L));
+            for (int64_t j = 0; j < steps; j++) {
+#pragma omp single
+                draft_inputs(&D, j);
+                team_pass(&D.Q, L, count, kv, slots, D.h, NULL, D.h_out, D.y_out, &B, &S);
+#pragma omp single
+                draft_norm(&D, 1);
+                team_linear(head, D.xf, D.scores, NULL, rows, 0, &S);
+#pragma omp single
+                draft_pick(&D, j);
+            }
+            free(S.xf);
         }
-        layers(&Q, L, count, kv, slots, h, NULL, h_out, y_out);
-        for (int64_t i = 0; i < rows * n; i++) put(h, i, get(h_out, i, bf) + get(y_out, i, bf), bf); /* h + y */
-        add_norm(h, NULL, NULL, norm, x, rows, n, P->eps, bf, threads);
-        for (int64_t i = 0; i < rows * n; i++) xf[i] = get(x, i, bf);
-        linear_run(head, xf, scores, rows, threads);
-        shortlist(scores, rows, vocab, k, xf, n, weight, bf);
-        for (int64_t b = 0; b < rows; b++) {
-            const float *s = scores + b * vocab;
-            if (temperature && temperature[b] > 0)
-                next[b] = draw(s, vocab, temperature[b], top_k[b], top_p[b], u[b * steps + j],
-                               q + (b * steps + j) * vocab, part, &R);
-            else
-                argmax_rows(s, 1, vocab, next + b);
-            out[b * steps + j] = next[b];
-        }
+        free(B.x);
+        steps = 0;
     }
-    free(R.count);
-    free(R.tied);
-    free(part);
+#endif
+    for (int64_t j = 0; j < steps; j++) {
+        draft_inputs(&D, j);
+        layers(&D.Q, L, count, kv, slots, D.h, NULL, D.h_out, D.y_out);
+        draft_norm(&D, (int)P->threads);
+        linear_run(head, D.xf, D.scores, rows, (int)P->threads);
+        draft_pick(&D, j);
+    }
+    free(D.R.count);
+    free(D.R.tied);
+    free(D.part);
     free(meta);
-    free(h);
+    free(D.h);
 }
