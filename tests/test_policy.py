@@ -122,6 +122,24 @@ def test_a_profile_from_another_machine_is_not_trusted_silently():
     assert d.config.drafter == "lookup" and "lookup runs no model to draft" in d.reason
 
 
+def test_only_the_instruction_sets_among_the_flags_make_a_profile_foreign():
+    """Two VMs of one CPU model were seen to differ in mitigation flags alone: a profile with this machine's
+    instruction sets is trusted whatever its other flags; another instruction set, or a profile from before
+    `isa` was recorded whose flags differ, is foreign."""
+    from selfspec.kernels.cache import isa
+
+    assert (
+        isa("fpu vme md_clear avx2 hypervisor amx_bf16 avx512f flush_l1d sse4_2") == "amx_bf16 avx2 avx512f fpu sse4_2"
+    )
+    profile = synthetic_profile()
+    profile.machine = dict(profile.machine, flags="0123456789ab")
+    assert SpecPolicy(profile).foreign is None
+    profile.machine["isa"] = "ba9876543210"
+    assert "isa 'ba9876543210'" in SpecPolicy(profile).foreign
+    del profile.machine["isa"]
+    assert "flags '0123456789ab'" in SpecPolicy(profile).foreign
+
+
 def test_policy_switches_off_and_says_why():
     policy = SpecPolicy(synthetic_profile())
     assert decide(policy, temperature=0.9).reason == "off: temperature 0.9 > threshold 0.5"

@@ -117,9 +117,10 @@ def machine_differences(machine: dict, backend: str | None = None) -> list[str]:
     the kernel backend of the model's linears where `backend` is given (a profile from before the
     profiles named it was measured on `native`, the only float backend `auto` picked then)."""
     here = machine_key()
+    flags = "isa" if "isa" in machine else "flags"  # a profile from before `isa` compared every flag
     diffs = [
         f"{k} {machine.get(k)!r} here {here[k]!r}"
-        for k in ("cpu", "flags", "threads", "torch")
+        for k in ("cpu", flags, "threads", "torch")
         if machine.get(k) != here[k]
     ]
     if backend is not None and machine.get("backend", "native") != backend:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from pathlib import Path
+
+# The /proc/cpuinfo flags that name instruction sets (x86's flags, Arm's Features), the ones kernels and
+# their costs depend on. Two VMs of one CPU model were seen to differ in the rest (mitigation and
+# virtualisation flags such as md_clear or arch_capabilities), which left a profile measured on one
+# untrusted on the other for no difference in what it measured.
+ISA = re.compile(
+    r"^(sse|ssse|avx|amx|fma|f16c|bmi|abm|adx|popcnt|movbe|aes|vaes|pclmul|vpclmul|gfni|sha|xop|asimd|fp|sve|sme|i8mm|bf16|dotprod)"
+)
 
 
 def cache_root() -> Path:
@@ -27,3 +36,8 @@ def cpu() -> tuple[str, str]:
     except OSError:
         pass
     return model, flags
+
+
+def isa(flags: str) -> str:
+    """The instruction-set names among `flags` (a cpuinfo flags line), sorted."""
+    return " ".join(sorted(f for f in flags.split() if ISA.match(f)))

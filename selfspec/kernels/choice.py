@@ -25,6 +25,7 @@ import torch
 from . import native
 from .base import Linear
 from .cache import cpu as cache_cpu
+from .cache import isa
 from .dense import Dense
 from .int4 import Int4
 from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
@@ -176,6 +177,7 @@ def machine_key() -> dict:
     return {
         "cpu": cpu,
         "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
+        "isa": hashlib.sha256(isa(flags).encode()).hexdigest()[:12],  # the instruction sets alone
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
