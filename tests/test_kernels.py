@@ -169,11 +169,11 @@ def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
     measured again when the machine key (CPU, flags, threads, torch version) changes."""
     calls = []
 
-    def timed(linears, rows, dtype, repeats=15):
+    def timed(linears, rows, dtype):
         calls.append(type(linears[0]).name)
         return {"onednn": 2.0, "codes": 3.0, "native": 3.0, "dense": 1.0}[type(linears[0]).name]
 
-    monkeypatch.setattr(kernel_choice, "_median_ms", timed)
+    monkeypatch.setattr(kernel_choice, "_pass_ms", timed)
     monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # both exact: the timing decides
     cache = tmp_path / "kernels.json"
     sample = torch.randn(64, 32)
@@ -190,6 +190,23 @@ def test_measured_choice_is_cached_per_machine(tmp_path, monkeypatch):
     assert len(calls) == 2 * measured  # another torch version measures again
 
 
+def test_backends_are_timed_in_interleaved_rounds(tmp_path, monkeypatch):
+    """Each round times every backend once (1 and 5 rows) before the next round starts, so a drift of the
+    machine's speed weighs on all of them alike: a machine slowing down as it measures does not
+    favour the backend timed first."""
+    order, clock = [], iter(range(10**6))
+    monkeypatch.setattr(
+        kernel_choice, "_pass_ms", lambda linears, rows, dtype: order.append(type(linears[0]).name) or next(clock)
+    )
+    monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)
+    plan(torch.float32, sample=torch.randn(64, 32), cache=tmp_path / "kernels.json")
+    names = list(dict.fromkeys(order))
+    per_round = len(names) * len(kernel_choice.TIMED_ROWS)
+    assert len(names) > 1 and len(order) == per_round * kernel_choice.REPEATS
+    assert order[:per_round] == order[per_round : 2 * per_round]  # round 2 repeats round 1's order
+    assert order[: len(kernel_choice.TIMED_ROWS)] == [names[0]] * len(kernel_choice.TIMED_ROWS)
+
+
 @pytest.mark.parametrize(("dense_ms", "chosen"), [(2.0, "native"), (1.4, "dense")])
 def test_a_backend_outside_native_c_must_win_by_a_margin(tmp_path, monkeypatch, dense_ms, chosen):
     """Only native linears run a layer as one native.c call, which a per-linear timing does not see:
@@ -197,9 +214,7 @@ def test_a_backend_outside_native_c_must_win_by_a_margin(tmp_path, monkeypatch, 
     if NativeFloat.unavailable(torch.float32):
         pytest.skip(NativeFloat.unavailable(torch.float32))
     times = {"onednn": 9.0, "codes": 3.1, "native": 3.0, "dense": dense_ms}
-    monkeypatch.setattr(
-        kernel_choice, "_median_ms", lambda linears, rows, dtype, repeats=15: times[type(linears[0]).name]
-    )
+    monkeypatch.setattr(kernel_choice, "_pass_ms", lambda linears, rows, dtype: times[type(linears[0]).name])
     monkeypatch.setattr(kernel_choice.Dense, "row_exact", True)  # all exact: the timing decides
     p = plan(torch.float32, sample=torch.randn(64, 32), cache=tmp_path / "kernels.json")
     assert p.backend == chosen and any("outside native.c" in r for r in p.reasons)

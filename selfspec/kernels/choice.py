@@ -43,6 +43,7 @@ FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLOAT_BACKENDS = (OneDNN, NativeTiles, NativeCodes, NativeFloat, Dense)  # preference order when nothing was measured
 QUANTIZED = {"int8": (NativeInt8Dot, NativeInt8, Int8), "int4": (NativeInt4Dot, NativeInt4, Int4)}
 TIMED_ROWS = (1, 5)  # a plain step and a γ = 4 verification
+REPEATS = 15  # timed passes per backend and row count
 # Float32 bytes of the copies of the sample weight a timing cycles through: past the last-level cache, as a
 # step's weights are. Timed alone, the default model's 3.5 MB gate_proj ran from the cache, where float32
 # panels (0.042 ms) beat its 4-bit codes (0.044 ms); the model's 538 MB step streams them, and there the
@@ -201,12 +202,19 @@ def _timings(
     stored = _read(cache)
     if key in stored:
         return stored[key]
-    result = {}
     copies = min(-(-STREAMED // (sample.numel() * 4)), 128)
-    for backend in backends:
-        linears = [backend(sample.clone(), None, dtype) for _ in range(copies)]
-        result[backend.name] = statistics.fmean(_median_ms(linears, rows, dtype) for rows in TIMED_ROWS)
-        del linears
+    linears = {b.name: [b(sample.clone(), None, dtype) for _ in range(copies)] for b in backends}
+    # The backends' passes interleaved, round after round: timed one after another, a drift of this VM's
+    # speed (10-30 % within minutes) once made amx, codes and native measure alike (0.105-0.108 ms, where
+    # amx took 0.05-0.08 against codes' 0.08-0.12 at other times) and bfloat16 ran on codes, whose
+    # verification of 8 tokens cost 3.1 steps against amx's 1.4.
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in TIMED_ROWS] for name in linears}
+    for _ in range(REPEATS):
+        for name, copies_of in linears.items():
+            for i, rows in enumerate(TIMED_ROWS):
+                samples[name][i].append(_pass_ms(copies_of, rows, dtype))
+    result = {name: statistics.fmean(map(statistics.median, per_rows)) for name, per_rows in samples.items()}
+    del linears
     if cache is not None:
         stored[key] = result
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -214,19 +222,16 @@ def _timings(
     return result
 
 
-def _median_ms(linears: list[Linear], rows: int, dtype: torch.dtype, repeats: int = 15) -> float:
-    """Median ms of one call, each timed pass calling every linear of `linears` (copies of one weight)
-    once, so the weights come from memory as a model's do."""
+def _pass_ms(linears: list[Linear], rows: int, dtype: torch.dtype) -> float:
+    """ms of one call, averaged over a pass calling every linear of `linears` (copies of one weight) once,
+    after a warm-up pass, so the weights come from memory as a model's do."""
     x = torch.randn(rows, linears[0].in_features, device=linears[0].device).to(dtype)
-    for linear in linears:
+    for linear in linears[:2]:
         linear(x)  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for linear in linears:
-            linear(x)
-        samples.append((time.perf_counter() - start) / len(linears))
-    return statistics.median(samples) * 1e3
+    start = time.perf_counter()
+    for linear in linears:
+        linear(x)
+    return (time.perf_counter() - start) / len(linears) * 1e3
 
 
 def _read(cache: Path | None) -> dict:

@@ -838,7 +838,8 @@ typedef struct {
     float scale;
     int bf;
     /* attention_plan's: each row's key range [begin, end), each sequence's union [lo, hi), its keys' slots,
-     * its spans and where its partials start, the total cost and queries, the partials */
+     * its spans and where its partials start, the total cost and queries, and the partials (per query and
+     * span: the weighted sum of values [dim], the top score, the sum of exps) */
     int64_t *begin, *end, *lo, *hi, **slot, *spans, *parts_at, cost, queries;
     float *partial;
 } attention;
