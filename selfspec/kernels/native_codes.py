@@ -27,6 +27,12 @@ from .native_float import PANEL, NativeFloat, pack, pack_pairs, padded
 GROUP = 32
 BITS = {"codes4": 4, "codes8": 8, "pair_codes4": 4, "pair_codes8": 8}
 SAMPLE = 256  # groups a width is tried on first
+# Rows past which an AMX head computes every logit rather than its greedy bounding pass (int8 dot products
+# per row, ~0.35 ms a row for the default model's head, where the tiles' whole head is nearly flat in rows).
+# Head alone, bfloat16, 2 threads (Intel Xeon with AMX): greedy / every logit + argmax 0.84 / 2.07 ms at
+# 1 row, 2.88 / 3.15 at 8, 3.60 / 3.26 at 9, 4.47 / 3.62 at 12. The float32 head has no tiles: its whole
+# head grows faster than the bounding pass (6.44 ms at 9 rows against 3.36), and it stays greedy.
+TILE_GREEDY_ROWS = 8
 
 
 class NativeCodes(NativeFloat):
@@ -77,11 +83,14 @@ class NativeCodes(NativeFloat):
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """An 8-bit head's greedy argmax without every logit (native.c's greedy_codes8: an int8 pass bounds
         each logit, and the few that may be the largest are computed exactly by this kernel), the ids the
-        full logits give, ties to the lowest. None for other weights or where the build lacks the kernel."""
+        full logits give, ties to the lowest. None for other weights, where the build lacks the kernel, or
+        for more than TILE_GREEDY_ROWS rows on the tiles (every logit is then cheaper)."""
         if self.layout not in ("codes8", "pair_codes8") or not self.native.greedy or self.bias is not None:
             return None
         x = x.to(torch.float32).contiguous()
         rows, pairs, tiles = x.numel() // self.in_features, self.layout == "pair_codes8", self.kind.startswith("tile_")
+        if tiles and rows > TILE_GREEDY_ROWS:
+            return None  # every logit on the tiles costs less there
         ids = torch.empty(x.shape[:-1], dtype=torch.int64)
         shape = (rows, self.in_features, self.out_features, int(pairs), int(tiles), torch.get_num_threads())
         self.lib.greedy_codes8(x.data_ptr(), self.panels.data_ptr(), self.bound.data_ptr(), *shape, ids.data_ptr())
