@@ -277,6 +277,18 @@ def test_calibrate_resumes_from_partial_results(calibrated, monkeypatch, capsys)
     assert all(1 <= e["gamma"] <= 3 and e["predicted_speedup"] > 0 for e in best.values())
 
 
+def test_partial_results_timed_with_other_kernels_do_not_resume(calibrated, monkeypatch, capsys):
+    """Costs timed on another backend (or native.c version, or machine) are not reused: the run stops and
+    says so, as it does for other draft heads."""
+    out, argv = calibrated
+    from selfspec.calibration import calibrate as calibration
+
+    key = calibration.machine_key()
+    monkeypatch.setattr(calibration, "machine_key", lambda: {**key, "isa": "0123456789ab"})
+    assert main(argv) == 2
+    assert "timed with other kernels or on another machine" in capsys.readouterr().err
+
+
 def test_engine_follows_its_profile(calibrated, tiny_checkpoint):
     out, _ = calibrated
     profile = Profile.load(out / "profile.json")

@@ -28,6 +28,7 @@ from ..decoding.quantized import QuantizedDrafter
 from ..decoding.round import RoundInput, SpecConfig
 from ..decoding.sampling import SamplingParams, argmax, make_generator
 from ..errors import SelfspecError
+from ..kernels import native
 from ..kernels.choice import machine_key
 from ..model.cache import PagedKVCache
 from ..model.decoder import DecoderModel
@@ -411,9 +412,19 @@ def calibrate(engine, questions: list[dict], plan: CalibrationPlan, partial_path
             f"{partial_path} was measured with draft heads {done.get('__heads__', {})}, this run has {heads}: "
             "delete it or write the profile elsewhere"
         )
+    # Nor do costs timed with other kernels: a resumed run once kept the costs of the `codes` backend (v =
+    # 3.1 steps at γ = 8) in a profile that then named `amx` (1.4).
+    kernels = {**machine_key(), "backend": model.kernels.backend, "native": native.source_key()}
+    if done and done.get("__kernels__", kernels) != kernels:
+        raise SelfspecError(
+            f"{partial_path} was timed with other kernels or on another machine ({done['__kernels__']}; here "
+            f"{kernels}): delete it or write the profile elsewhere"
+        )
     if not done:
         _append_partial(partial_path, {"__heads__": heads})
+        _append_partial(partial_path, {"__kernels__": kernels})
     done.pop("__heads__", None)
+    done.pop("__kernels__", None)
     costs = done.pop("__costs__", None)
     copies = {name: engine.draft_model(name) for name in plan.quantized}
     if costs is None:
