@@ -2120,7 +2120,8 @@ static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
     if (layout != Q4_OWN) codes_order(qx, rows * in);
 #endif
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < count; p++) q4_panel(qx, d, s, panels + p * groups * Q4_PANEL_GROUP, y, rows, in, out, p, layout);
+    for (int64_t p = 0; p < count; p++)
+        q4_panel(qx, d, s, panels + p * groups * Q4_PANEL_GROUP, y, rows, in, out, p, layout);
     free(qx);
 }
 
@@ -2575,7 +2576,10 @@ typedef struct { /* one layer's weights for `layers` (ops.Fused.layers builds th
  * (team_kind), one team runs all the layers instead: a row's glue on one thread (omp for over rows), each
  * linear's x widened and quantized by every thread for itself (a row: ~1 us, less than a barrier) with the
  * panels split as q4_i8 splits them, attention's items and merge as `attend` splits them. The same kernels
- * and the same operations per element as `layer`, so the same bits. */
+ * and the same operations per element as `layer`, so the same bits. Every other kind in the team too
+ * (each kernel's omp-for body shared with its exported function) measured slower for the fp32 codes
+ * step (benchmarks/step.py, ctx 300, 5 alternations: 5 rows 16.35 against 13.61 ms, medians; the cause
+ * was not found), so the other kinds keep a region per call. */
 #ifdef DOT_I8
 static int team_kind(const linear_spec *L) {
     return L->kind == LINEAR_Q4_I8 ||
