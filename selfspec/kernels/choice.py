@@ -224,7 +224,7 @@ def _timings(
 
 def _pass_ms(linears: list[Linear], rows: int, dtype: torch.dtype) -> float:
     """ms of one call, averaged over a pass calling every linear of `linears` (copies of one weight) once,
-    after a warm-up pass, so the weights come from memory as a model's do."""
+    so the weights come from memory as a model's do (the first two called before, untimed, to warm up)."""
     x = torch.randn(rows, linears[0].in_features, device=linears[0].device).to(dtype)
     for linear in linears[:2]:
         linear(x)  # warm-up

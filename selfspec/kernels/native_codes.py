@@ -87,10 +87,10 @@ class NativeCodes(NativeFloat):
         for more than TILE_GREEDY_ROWS rows on the tiles (every logit is then cheaper)."""
         if self.layout not in ("codes8", "pair_codes8") or not self.native.greedy or self.bias is not None:
             return None
-        x = x.to(torch.float32).contiguous()
         rows, pairs, tiles = x.numel() // self.in_features, self.layout == "pair_codes8", self.kind.startswith("tile_")
         if tiles and rows > TILE_GREEDY_ROWS:
             return None  # every logit on the tiles costs less there
+        x = x.to(torch.float32).contiguous()
         ids = torch.empty(x.shape[:-1], dtype=torch.int64)
         shape = (rows, self.in_features, self.out_features, int(pairs), int(tiles), torch.get_num_threads())
         self.lib.greedy_codes8(x.data_ptr(), self.panels.data_ptr(), self.bound.data_ptr(), *shape, ids.data_ptr())
