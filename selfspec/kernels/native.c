@@ -988,6 +988,18 @@ static inline int64_t team_size(void) {
 #endif
 }
 
+/* A's attention on `threads` threads of a region of its own. */
+static void attention_run(attention *A, int threads) {
+    attention_plan(A);
+#pragma omp parallel num_threads(threads)
+    {
+        attention_share(A, thread_number(), team_size());
+#pragma omp barrier
+        attention_merge(A, thread_number(), team_size());
+    }
+    attention_done(A);
+}
+
 void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots, const int64_t *positions,
             const int64_t *write_slots, const int64_t *tables, int64_t max_blocks, int64_t block_size,
             const int64_t *num_tokens, int64_t batch, int64_t seq_len, void *out, int64_t heads, int64_t kv_heads,
@@ -996,14 +1008,7 @@ void attend(void *qkv, const void *cos, const void *sin, void *kv, int64_t slots
                    .write_slots = write_slots, .tables = tables, .max_blocks = max_blocks, .block_size = block_size,
                    .num_tokens = num_tokens, .batch = batch, .seq_len = seq_len, .out = out, .heads = heads,
                    .kv_heads = kv_heads, .dim = dim, .window = window, .scale = scale, .bf = bf};
-    attention_plan(&A);
-#pragma omp parallel num_threads(threads)
-    {
-        attention_share(&A, thread_number(), team_size());
-#pragma omp barrier
-        attention_merge(&A, thread_number(), team_size());
-    }
-    attention_done(&A);
+    attention_run(&A, threads);
 }
 
 /* ---- linears: y [rows, out] = x [rows, in] @ W.T, float32 activations --------------------------------
@@ -2109,6 +2114,15 @@ static inline __attribute__((always_inline)) void q4_panel(const int8_t *qx, con
     }
 }
 
+/* n quantized activations (quantize_i8's) put in the order `layout`'s panels read them. */
+static void q4_order(int8_t *qx, int64_t n, int layout) {
+#if SHARED_CODES
+    if (layout != Q4_OWN) codes_order(qx, n);
+#else
+    (void)qx, (void)n, (void)layout;
+#endif
+}
+
 /* x [rows, in] float32, panels of `layout` -> y [rows, out]; in % 32 == 0. */
 static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
                   int layout, int threads) {
@@ -2116,9 +2130,7 @@ static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
     float *d, *s;
     int32_t *qsum;
     int8_t *qx = quantized(x, rows, in, &d, &s, &qsum);
-#if SHARED_CODES
-    if (layout != Q4_OWN) codes_order(qx, rows * in);
-#endif
+    q4_order(qx, rows * in, layout);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; p++)
         q4_panel(qx, d, s, panels + p * groups * Q4_PANEL_GROUP, y, rows, in, out, p, layout);
@@ -2474,11 +2486,18 @@ typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
     int64_t bf, threads;
 } pass_info;
 
-/* One layer's attention for a pass (qkv and out as attend's), from what its layers share. */
+/* One layer's attention arguments for a pass (qkv and out as attend's), from what its layers share. */
+static attention pass_attention(const pass_info *P, void *qkv, void *kv, int64_t slots, int64_t window, void *out) {
+    return (attention){.qkv = qkv, .cos = P->cos, .sin = P->sin, .kv = kv, .slots = slots, .positions = P->positions,
+                       .write_slots = P->write_slots, .tables = P->tables, .max_blocks = P->max_blocks,
+                       .block_size = P->block_size, .num_tokens = P->num_tokens, .batch = P->batch,
+                       .seq_len = P->seq_len, .out = out, .heads = P->heads, .kv_heads = P->kv_heads, .dim = P->dim,
+                       .window = window, .scale = P->scale, .bf = (int)P->bf};
+}
+
 void attend_pass(const pass_info *P, void *qkv, void *kv, int64_t slots, int64_t window, void *out) {
-    attend(qkv, P->cos, P->sin, kv, slots, P->positions, P->write_slots, P->tables, P->max_blocks, P->block_size,
-           P->num_tokens, P->batch, P->seq_len, out, P->heads, P->kv_heads, P->dim, window, P->scale, (int)P->bf,
-           (int)P->threads);
+    attention A = pass_attention(P, qkv, kv, slots, window, out);
+    attention_run(&A, (int)P->threads);
 }
 
 /* y [rows, out] = x [rows, in] @ W.T in float32 (LINEAR_ZERO: zeros, for benchmarks/step.py). */
@@ -2621,9 +2640,7 @@ static void team_linear(const linear_spec *L, const void *x, void *y, float *yf,
         xf = S->xf;
     }
     quantize_i8(xf, S->qx, S->d, S->s, S->qsum, rows, in);
-#if SHARED_CODES
-    if (layout != Q4_OWN) codes_order(S->qx, n);
-#endif
+    q4_order(S->qx, n, layout);
     float *dst = bf ? yf : y;
     const uint8_t *panels = L->w;
 #pragma omp for schedule(static)
@@ -2663,11 +2680,7 @@ static void team_layer(const pass_info *P, void *kv, int64_t slots, int64_t wind
     team_linear(L->qkv, B->x, B->a, B->yf, rows, bf, S);
 #pragma omp single
     {
-        B->A = (attention){.qkv = B->a, .cos = P->cos, .sin = P->sin, .kv = kv, .slots = slots,
-                           .positions = P->positions, .write_slots = P->write_slots, .tables = P->tables,
-                           .max_blocks = P->max_blocks, .block_size = P->block_size, .num_tokens = P->num_tokens,
-                           .batch = P->batch, .seq_len = P->seq_len, .out = B->b, .heads = P->heads,
-                           .kv_heads = P->kv_heads, .dim = P->dim, .window = window, .scale = P->scale, .bf = bf};
+        B->A = pass_attention(P, B->a, kv, slots, window, B->b);
         attention_plan(&B->A);
     }
     attention_share(&B->A, thread_number(), team_size());

@@ -297,7 +297,8 @@ def build_model(
         head = quantized(make_linear(kernels, head_source, None, dtype), head_weight, "lm_head.weight")
     # The linears' tensors in huge pages (kernels/pages.py); a draft's Shortlist head keeps the target's
     # float head rows where they are (it reads k of them a step) and moves its coarse linear
-    mine = [lin for layer in layers for lin in layer.linears() if all(lin is not k for k in kept)]
+    shared = {id(lin) for lin in kept}
+    mine = [lin for layer in layers for lin in layer.linears() if id(lin) not in shared]
     pages.place([*mine, getattr(head, "coarse", head)])
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head_weight, kernels, head)
     if errors:
