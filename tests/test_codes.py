@@ -61,6 +61,8 @@ def test_codes_rebuild_the_float_weights_bit_for_bit(kind, codes, dtype):
         assert torch.equal(lin.matmul(x[:rows]), ref.matmul(x[:rows])), rows
     prompt = torch.randn(70, w.shape[1]).to(dtype)  # a prompt's rows: the codes' kernel, not a rebuilt GEMM
     assert torch.equal(lin.matmul(prompt), native.NativeLinear.matmul(ref, prompt))
+    if dtype == torch.bfloat16:  # bfloat16 in and out in one C call (linear_act): widen, kernel, round
+        assert torch.equal(lin.matmul(prompt), lin.matmul_float32(prompt).bfloat16())
 
 
 def test_a_weight_that_never_was_quantized_stays_on_native_panels():

@@ -62,3 +62,25 @@ def test_padded_batch_rows_equal_single_sequences():
         cache.truncate(seqs[b], seqs[b].length - n)
         alone = cache.prepare([seqs[b]], [n])
         assert torch.equal(paged_attention(q[b : b + 1, :, :n], cache.layers[0], alone, None), out[b : b + 1, :, :n])
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_a_prompts_first_chunk_attends_causally(window, monkeypatch):
+    """A prompt's chunk with no past takes SDPA's own causal mask (no bool mask built): the same
+    attention as the masked call, each query over keys [0, its position] (within a window that covers
+    the chunk; a narrower window keeps the mask)."""
+    cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=64, block_size=4)
+    seq = cache.allocate()
+    batch = cache.prepare([seq], [30])
+    batch.exact = False
+    write_kv(cache.layers[0], torch.randn(2, 2, 30, 8), batch)
+    q = torch.randn(1, 4, 30, 8)
+    kv = gather_kv(cache.layers[0], batch)
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True
+    )
+    built, mask = [], type(batch).mask
+    monkeypatch.setattr(type(batch), "mask", lambda self, w: built.append(w) or mask(self, w))
+    out = paged_attention(q, cache.layers[0], batch, window)
+    assert torch.allclose(out, masked, atol=1e-6)
+    assert built == ([] if window != 5 else [5])  # the causal call builds no mask

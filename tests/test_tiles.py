@@ -46,6 +46,8 @@ def test_tiles_multiply_the_bfloat16_weights_and_keep_rows_exact(kind, tiled):
     one = torch.cat([lin.matmul_float32(x[i : i + 1]) for i in range(EXACT_ROWS)])
     for rows in (2, 5, 16, 17, 33, EXACT_ROWS):  # one tile, a tile and a row, several tiles (16 rows each)
         assert torch.equal(lin.matmul_float32(x[:rows]), one[:rows]), rows
+    # bfloat16 in and out in one C call (linear_act): the float32 path's sums rounded as torch rounds them
+    assert torch.equal(lin.matmul(x), y.bfloat16()) and torch.equal(lin.matmul(x[:1]), one[:1].bfloat16())
     if kind:  # the tiles' sums are not codes' vdpbf16ps sums (another order within a pair), but close
         codes = NativeCodes(w, None, torch.bfloat16).matmul_float32(x)
         assert (codes - y).abs().max() / ref.abs().max() < 1e-5

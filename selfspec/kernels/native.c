@@ -1517,6 +1517,40 @@ enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANE
      : kind == PANELS_BF16        ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                       \
                                    : panel_tile(xr, wp, yr, in, out, cols, np, n, 0, next, step))
 
+#if defined(__AVX512F__) && REBUILT
+/* A prompt's rows (float32) over code panels of `bits`: four panels at a time rebuilt to float32, then
+ * tiles of 6 rows by the four (24 accumulators: a broadcast of x feeds four FMAs, where one panel's 8-row
+ * tiles loaded an x element per FMA and ran at about a third of the FMA units' rate). Each output is
+ * panel_tile's lane, summed over the inputs in order, so the same bits. */
+#define PROMPT_ONE(j, k) \
+    panel_tile(xr, own + (j) * in * PANEL, yr + (j) * PANEL, in, out, cols - (j) * PANEL, 1, k, 0, NULL, 0)
+static void prompt_panels(const float *x, const void *w, float *y, int64_t rows, int64_t in, int64_t out, int bits,
+                          size_t bytes, int threads) {
+    int64_t panels = (out + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(threads)
+    {
+        float *own = aligned_alloc(64, sizeof(float) * (size_t)(4 * in * PANEL));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < (panels + 3) / 4; g++) {
+            int64_t p = 4 * g, np = panels - p < 4 ? panels - p : 4, cols = out - p * PANEL;
+            for (int64_t j = 0; j < np; j++)
+                rebuild_panel((const uint8_t *)w + (p + j) * bytes, in, bits, 0, own + j * in * PANEL);
+            for (int64_t r = 0; r < rows;) {
+                int n = rows - r < 6 ? (int)(rows - r) : 6;
+                const float *xr = x + r * in;
+                float *yr = y + r * out + p * PANEL;
+                if (np == 4 && n == 6)
+                    panel_tile(xr, own, yr, in, out, cols, 4, 6, 0, NULL, 0);
+                else
+                    for (int64_t j = 0; j < np; j++) BY_ROWS(n, PROMPT_ONE, j);
+                r += n;
+            }
+        }
+        free(own);
+    }
+}
+#endif
+
 /* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
  * panels): groups of 1-4 panels split over the threads (4 for one row, 2 for 2-3 rows or for 2 of
  * bfloat16 on AVX2, else 1), each group's rows in tiles of up to TILE_ROWS. */
@@ -1548,6 +1582,12 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
     int pairs = layout == PANELS_PAIR_CODES4 || layout == PANELS_PAIR_CODES8;
     int rebuild = REBUILT && codes && tiles > STREAM_TILES; /* a prompt's code panels, each rebuilt once */
     (void)xb;
+#if defined(__AVX512F__) && REBUILT
+    if (rebuild && !pairs) {
+        prompt_panels(x, w, y, rows, in, out, codes, bytes, threads);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < (panels + span - 1) / span; g++)
         for (int64_t p = g * span; p < (g + 1) * span && p < panels;) {
@@ -2531,8 +2571,10 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
     }
 }
 
-/* The linear on activations of the pass's dtype: bfloat16 is widened before and rounded after. */
-static void linear_act(const linear_spec *L, const void *x, void *y, int64_t rows, int bf, int threads) {
+/* The linear on activations of the pass's dtype: bfloat16 is widened before and rounded after. Exported
+ * for native.py's bfloat16 linears outside `layers` (a prompt's): one call where torch's widening and
+ * rounding around the kernel took ~13 % of a bfloat16 prefill. */
+void linear_act(const linear_spec *L, const void *x, void *y, int64_t rows, int bf, int threads) {
     if (!bf) {
         linear_run(L, x, y, rows, threads);
         return;

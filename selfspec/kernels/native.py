@@ -128,10 +128,11 @@ class Native:
         info = ctypes.POINTER(PassInfo)
         lib.attend_pass.argtypes = [info, p, p, i, i, p]
         lib.layers.argtypes = [info, p, i, p, i, p, p, p, p]  # the arrays by address: callers start mid-array
+        lib.linear_act.argtypes = [ctypes.POINTER(LinearSpec), p, p, i, ctypes.c_int, ctypes.c_int]
         lib.shortlist.argtypes = [p, i, i, i, p, i, p, ctypes.c_int]
         lib.argmax_rows.argtypes = [p, i, i, p]
         fns = (lib.add_norm, lib.silu_mul, lib.attend_pass, lib.linear_dense, lib.linear_q4, lib.linear_q8, lib.layers)
-        fns += (lib.linear_codes,)
+        fns += (lib.linear_codes, lib.linear_act)
         lib.draft_tokens.argtypes = [info, p, i, p, i, p, p, ctypes.POINTER(LinearSpec), i, p, p, p, p, p, p, p, p]
         lib.accept_drafts.argtypes = [p, i, i, i, p, p, p, p, p, p, p, p, f, p, p]
         fns += (lib.shortlist, lib.argmax_rows, lib.draft_tokens, lib.accept_drafts)
@@ -320,8 +321,14 @@ class NativeLinear(Linear):
         """(weights or codes, scales, offsets) as the kernel reads them."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out]: the kernels take and give float32 (bfloat16 activations are widened
-        here, rounded back after)."""
+        """x [..., in] -> [..., out]: the kernels take and give float32; bfloat16 activations are widened
+        and rounded back in the same C call (`linear_act`, as `layers` runs them)."""
+        if x.dtype == self.dtype == torch.bfloat16 and self.spec is not None:
+            x = x.contiguous()
+            y = x.new_empty((*x.shape[:-1], self.out_features))
+            rows = x.numel() // self.in_features
+            self.lib.linear_act(ctypes.byref(self.spec), x.data_ptr(), y.data_ptr(), rows, 1, torch.get_num_threads())
+            return y
         y = self.matmul_float32(x)
         return y if self.dtype is torch.float32 else y.to(self.dtype)
 

@@ -90,6 +90,11 @@ def paged_attention(q: torch.Tensor, layer_kv: torch.Tensor, batch: AttentionBat
     position to the same bits as the plain step that would have computed it alone. A long pass, or a
     prompt's (`batch.exact` False), is one masked call."""
     b, _, s, _ = q.shape
+    if b == 1 and s > 1 and not batch.exact and batch.kv_lens[0] == s and (window is None or s <= window):
+        # a prompt's first chunk (no past, no padding): SDPA's own causal mask, whose blocks above the
+        # diagonal it skips, where a bool mask makes it compute every score
+        kv = sequence_kv(layer_kv, batch, 0)
+        return F.scaled_dot_product_attention(q, kv[0], kv[1], is_causal=True, enable_gqa=True)
     if b * s > EXACT_ROWS or (s > 1 and not batch.exact):
         kv = gather_kv(layer_kv, batch)
         return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=batch.mask(window), enable_gqa=True)
