@@ -90,6 +90,7 @@ def llama_cpp_runner(threads: int, new_tokens: int):
 
     def run(ids):
         out = []
+        llm.reset()  # generate(reset=True) alone reuses the cached prefix of a repeated prompt
         for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
             out.append(token)
             if len(out) == new_tokens:

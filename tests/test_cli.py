@@ -153,3 +153,38 @@ def test_check_distribution_on_tiny_model(tiny_checkpoint):
     report = json.loads(p.stdout)
     assert p.returncode == 0 and report["lossless"] and report["samples"] == 200
     assert 0 <= report["pvalue"] <= 1 and 0 <= report["statistic"] <= 1
+
+
+def test_bench_llama_cpp_prefills_every_prompt_in_full(monkeypatch):
+    """llama-cpp-python's generate(reset=True) keeps the longest cached prefix of the previous call's
+    tokens, so a repeated prompt would skip its prefill, which selfspec's runs never skip: the peer is
+    reset before each run. Stub Llama: evaluates only what its cache does not hold."""
+    import types
+
+    from selfspec.cli import bench
+
+    evaluated = []
+
+    class Llama:
+        def __init__(self, **kwargs):
+            self.cached = []
+
+        def reset(self):
+            self.cached = []
+
+        def generate(self, tokens, reset=True, **kwargs):
+            keep = 0
+            while keep < min(len(tokens), len(self.cached)) and tokens[keep] == self.cached[keep]:
+                keep += 1
+            evaluated.append(len(tokens) - keep)
+            self.cached = list(tokens)
+            while True:
+                yield 7
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    monkeypatch.setattr("selfspec.model.loader.default_gguf_path", lambda: "model.gguf")
+    args = types.SimpleNamespace(model="default", temperature=0.0, max_tokens=3)
+    runner = bench.Runner(types.SimpleNamespace(max_model_len=2048), args)
+    for _ in range(3):
+        run = runner._llama_run([1, 2, 3, 4])
+    assert run.tokens == [7, 7, 7] and evaluated == [4, 4, 4]

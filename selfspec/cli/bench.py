@@ -185,6 +185,9 @@ class Runner:
         t = self.args.temperature
         out = []
         start = time.perf_counter()
+        # generate(reset=True) alone keeps the longest cached prefix of the previous call's tokens: a
+        # repeated prompt skipped its prefill, which selfspec's runs never skip
+        self._llama.reset()
         for token in self._llama.generate(ids, top_k=1 if t == 0 else 0, top_p=1.0, temp=t, reset=True):
             out.append(token)
             if len(out) == self.args.max_tokens:
