@@ -10,6 +10,7 @@
  *                    # 3: bfloat16 in pair panels (linear_pairs; AVX512-BF16 only)
  *                    # 4: bfloat16 from 4-bit codes in pair order (linear_pair_codes; 8-bit codes for the head)
  *                    # 5: the same codes on AMX tiles (linear_tiles; AMX-BF16 only; the head as in 4)
+ *                    # 6: float32 from 4-bit codes (linear_codes; 8-bit codes for the head)
  *
  * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 (-DQ4_AHEAD=0 -DQ8_AHEAD=0) to build without the kernels' software
  * prefetch. */
@@ -57,6 +58,7 @@ int main(int argc, char **argv) {
             double t = seconds();
             for (int l = 0; l < LINEARS; l++)
                 if (mode < 2) linear_dense(x, w[l], y, ks[j], in[l], out[l], bf, threads);
+                else if (mode == 6) linear_codes(x, w[l], y, ks[j], in[l], out[l], l == LINEARS - 1 ? 8 : 4, threads);
 #ifdef __AVX512BF16__
                 else if (mode == 3) linear_pairs(x, w[l], y, ks[j], in[l], out[l], threads);
                 else if (mode >= 4 && l == LINEARS - 1) linear_pair_codes(x, w[l], y, ks[j], in[l], out[l], 8, threads);
@@ -72,7 +74,7 @@ int main(int argc, char **argv) {
             t = seconds() - t;
             if (t < best[j]) best[j] = t;
         }
-    const char *names[] = {"float32", "bfloat16", "int4 (int8 head)", "bfloat16 pairs", "bfloat16 codes", "bfloat16 codes on AMX"};
+    const char *names[] = {"float32", "bfloat16", "int4 (int8 head)", "bfloat16 pairs", "bfloat16 codes", "bfloat16 codes on AMX", "float32 codes"};
     printf("%s weights, %d threads:", names[mode], threads);
     for (int j = 0; j < 8; j++) printf("  k=%d %.2f ms (%.2fx)", ks[j], best[j] * 1e3, best[j] / best[0]);
     printf("\n");
