@@ -1,4 +1,5 @@
-# Two commands for a fresh machine:  `make run` (set up + answer a sample prompt with the default model)
+# Two commands for a fresh machine:  `make run` (set up + answer a sample prompt with the default model,
+# timed against plain decoding)
 # and `make test` (set up + run the test suite). Both create or refresh .venv first.
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +22,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	touch $@
 
 run: setup
-	$(BIN)/selfspec generate "$(PROMPT)" --max-tokens 128
+	$(BIN)/selfspec generate "$(PROMPT)" --max-tokens 128 --compare-plain
 
 test: setup
 	$(BIN)/ruff format --check .

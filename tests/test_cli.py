@@ -124,6 +124,25 @@ def test_generate_speculative_json_on_tiny_model(tiny_checkpoint):
     assert off["stats"]["spec"] is None
 
 
+def test_generate_compare_plain_on_tiny_model(tiny_checkpoint, capsys):
+    """--compare-plain decodes the prompt again without speculation: both speeds, their ratio, a draft
+    token's cost in plain steps and (greedy) whether the outputs are identical, in JSON and in text."""
+    base = ["generate", "hello", "--model", str(tiny_checkpoint), "--max-tokens", "12", "--ignore-eos"]
+    spec = ["--draft-layers", "2", "--gamma", "3", "--compare-plain"]
+    assert main(base + spec + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = out["plain"]
+    assert plain["identical"] is True and plain["tokens_per_second"] > 0 and plain["draft_cost"] > 0
+    assert plain["speedup"] == pytest.approx(out["stats"]["tokens_per_second"] / plain["tokens_per_second"])
+    assert main(base + spec + ["--temperature", "0.8", "--seed", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plain"]["identical"] is None  # sampled: not a token-by-token claim
+    assert main(base + spec) == 0
+    err = capsys.readouterr().err
+    assert "against plain decoding of the same prompt" in err and "output identical" in err
+    assert main(base + ["--no-speculate", "--compare-plain"]) == 2
+    assert "--compare-plain with --no-speculate" in capsys.readouterr().err
+
+
 def test_generate_bad_draft_depth_for_model(tiny_checkpoint, capsys):
     assert main(["generate", "x", "--model", str(tiny_checkpoint), "--draft-layers", "4"]) == 2
     assert "draft_layers=4 is invalid for a 4-layer model: use 1..3" in capsys.readouterr().err
