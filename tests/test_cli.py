@@ -139,6 +139,8 @@ def test_generate_compare_plain_on_tiny_model(tiny_checkpoint, capsys):
     assert main(base + spec) == 0
     err = capsys.readouterr().err
     assert "against plain decoding of the same prompt" in err and "output identical" in err
+    assert main(base + ["--compare-plain"]) == 0  # no profile for the tiny model: the policy decodes plain
+    assert "this request decoded plain too" in capsys.readouterr().err
     assert main(base + ["--no-speculate", "--compare-plain"]) == 2
     assert "--compare-plain with --no-speculate" in capsys.readouterr().err
 

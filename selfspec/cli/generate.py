@@ -118,9 +118,10 @@ def _body(args) -> int:
         c = _against_plain(engine, prompt, params, args, stats, ids)
         same = "" if c["identical"] is None else "; output identical" if c["identical"] else "; output DIFFERS"
         cost = f"; a draft token cost {c['draft_cost']:.2f} of a plain step" if c["draft_cost"] is not None else ""
+        way = "with speculation" if stats.spec else "(this request decoded plain too: see the policy's decision)"
         print(
             f"--- against plain decoding of the same prompt: {c['tokens_per_second']:.1f} tokens/s, "
-            f"{c['speedup']:.2f}x with speculation{cost}{same}",
+            f"{c['speedup']:.2f}x {way}{cost}{same}",
             file=sys.stderr,
         )
     return 0
