@@ -77,21 +77,20 @@ def _body(args) -> int:
     if args.compare_plain and speculation is None:
         raise ValueError("--compare-plain with --no-speculate: there is nothing to compare; drop one of them")
     engine = engine_from_args(args, profile=args.profile, draft_head=draft_head_arg(args))
+    how = {"chat": not args.raw, "category": args.category}  # every decoding of the prompt below
     if args.compare_plain:  # both ways once, briefly: what loads on first use (a draft copy) is not timed
         brief = replace(params, max_tokens=min(params.max_tokens, 8))
         for way in (speculation, None):
-            engine.generate(prompt, brief, speculation=way, chat=not args.raw, category=args.category)
+            engine.generate(prompt, brief, speculation=way, **how)
     if args.json:
-        result = engine.generate(prompt, params, speculation=speculation, chat=not args.raw, category=args.category)
+        result = engine.generate(prompt, params, speculation=speculation, **how)
         out = result.to_dict()
         if args.compare_plain:
-            out["plain"] = _against_plain(engine, prompt, params, args, result.stats, result.token_ids)
+            out["plain"] = _against_plain(engine, prompt, params, how, result.stats, result.token_ids)
         print(json.dumps(out))
         return 0
     stats, reason, ids = None, None, []
-    for chunk in engine.stream_generate(
-        prompt, params, speculation=speculation, chat=not args.raw, category=args.category
-    ):
+    for chunk in engine.stream_generate(prompt, params, speculation=speculation, **how):
         print(chunk.text, end="", flush=True)
         stats, reason = chunk.stats, chunk.finish_reason
         ids.append(chunk.token_id)
@@ -115,7 +114,7 @@ def _body(args) -> int:
             file=sys.stderr,
         )
     if args.compare_plain:
-        c = _against_plain(engine, prompt, params, args, stats, ids)
+        c = _against_plain(engine, prompt, params, how, stats, ids)
         same = "" if c["identical"] is None else "; output identical" if c["identical"] else "; output DIFFERS"
         cost = f"; a draft token cost {c['draft_cost']:.2f} of a plain step" if c["draft_cost"] is not None else ""
         way = "with speculation" if stats.spec else "(this request decoded plain too: see the policy's decision)"
@@ -127,12 +126,12 @@ def _body(args) -> int:
     return 0
 
 
-def _against_plain(engine, prompt, params, args, stats, ids: list[int]) -> dict:
+def _against_plain(engine, prompt, params, how: dict, stats, ids: list[int]) -> dict:
     """The prompt decoded again without speculation, with the same settings: its speed, the ratio of
     `stats`' speed to it, a draft token's time in its mean step (rather than the one, often slower, first
     step that `draft_cost_ratio` is taken against: a cold first step made a 1.17x run look 2.0x), and,
     for greedy decoding, whether the two outputs are the same tokens."""
-    plain = engine.generate(prompt, params, speculation=None, chat=not args.raw, category=args.category)
+    plain = engine.generate(prompt, params, speculation=None, **how)
     tps, step = plain.stats.tokens_per_second, plain.stats.decode_seconds / max(plain.stats.steps, 1)
     s = stats.spec
     return {
