@@ -3,8 +3,8 @@ greedy row) timed again and again at one context, the draft's K/V rolled back af
 --verify) a round's verification between them (γ + 1 tokens through the target's layers and its greedy
 head, on the same sequence), which streams the target's own weights and head through the caches as
 decoding does: on the Xeon with AMX (bf16, γ 4, four runs each) a draft token cost 2.1-2.6 ms alone and
-3.0-4.7 ms between verifications at a 100-token context, the target's head and panels evicting the
-draft's from a last-level cache that holds ~100 MB there (benchmarks/bandwidth.c).
+3.0-4.7 ms between verifications at a 100-token context: the target's 8-bit head (28 MB) pushes what
+decoding reads past the ~100 MB the last-level cache holds there (benchmarks/bandwidth.c).
 
     python benchmarks/draft.py [--dtype bfloat16] [--drafter int4] [--contexts 78,300,1000] [--gamma 6]
                                [--repeats 60] [--verify] [--threads 2]
