@@ -22,6 +22,7 @@ from selfspec.calibration.calibrate import (
     teacher_forced_acceptance,
     tokens_per_round,
 )
+from selfspec.calibration.roofline import CACHE_SIZES_MB, cache_edge
 from selfspec.cli.main import main
 from selfspec.decoding.profile import Profile
 from selfspec.decoding.round import SpecConfig
@@ -386,6 +387,17 @@ def test_roofline_on_tiny_model(tiny_checkpoint, tmp_path, capsys):
     assert len(q["backends"]) == 1 and set(q["backends"]) <= {b.name for b in QUANTIZED["int4"]}  # the measured one
     assert json.loads((tmp_path / "roof.json").read_text())["machine"]["cores"] > 0
     assert "measured / bound" in (tmp_path / "roof.md").read_text()
+    assert set(r["cache_curve"]) == {str(mb) for mb in CACHE_SIZES_MB} and min(r["cache_curve"].values()) > 0
+    assert r["cache_mb"] in (0, *CACHE_SIZES_MB) and (r["cache_mb"] == 0) == (r["cache_bandwidth_gb_s"] == 0)
+
+
+def test_cache_edge_is_where_reads_fall_to_memorys_speed():
+    """The largest size read at least CACHE_SPEEDUP x memory's bandwidth, counting up until one is not
+    (a later fast reading, a neighbour gone quiet, does not extend it); none where the smallest is slow."""
+    curve = {8: 50.0, 16: 52.0, 32: 48.0, 64: 49.0, 96: 44.0, 128: 27.0, 192: 45.0, 256: 21.0}
+    assert cache_edge(curve, 21.0) == (96, 49.0)
+    assert cache_edge(curve, 40.0) == (0, 0.0)
+    assert cache_edge({8: 30.0, 16: 29.0}, 20.0) == (16, 29.5)
 
 
 def test_bench_on_tiny_model(tiny_checkpoint, tmp_path, capsys):

@@ -1,5 +1,10 @@
 """Is decoding memory-bound here? Measures read bandwidth, the bytes a decode step must read, the
-measured step, and the cost of a forward over k tokens relative to one (brief §1)."""
+measured step, and the cost of a forward over k tokens relative to one (brief §1).
+
+Also where the last-level cache ends: reads run at about twice memory's bandwidth while what they
+read fits in it, and a step's weights, a draft's weights and heads and the KV cache together are near
+that size on the default model (on a 2-core Xeon VM with AMX: ~100 MB read at 43-54 GB/s, more at
+20-24 GB/s, though lscpu said 300 MB; see benchmarks/bandwidth.c), so whether they fit sets their cost."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from ..kernels import native
 from ..model.decoder import DecoderModel, LayerWeights
 
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB: far larger than any cache level
+CACHE_SIZES_MB = (8, 16, 32, 48, 64, 96, 128, 192, 256)  # reads timed to find the last-level cache's end
+CACHE_SPEEDUP = 1.4  # a size read at least this much faster than memory is held in the cache
 
 
 @dataclass
@@ -31,6 +38,9 @@ class Roofline:
     row_exact: bool = False  # every linear gives a row the same bits whatever the row count
     memory_bytes: int = 0  # the model's weights in memory: linears, norms and the embedding
     kernel_notes: list[str] | None = None  # fallbacks and measurements behind the backend choice
+    cache_curve: dict[int, float] | None = None  # MB read -> GB/s
+    cache_mb: int = 0  # the largest size read from the last-level cache (cache_edge; 0: none measured)
+    cache_bandwidth_gb_s: float = 0.0  # the median GB/s of the sizes up to cache_mb
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +60,35 @@ def read_bandwidth(repeats: int = 5) -> float:
     big = torch.ones(BANDWIDTH_BYTES // 4)
     seconds = _median_time(lambda: big.sum(), repeats)
     return BANDWIDTH_BYTES / seconds / 1e9
+
+
+def cache_curve(repeats: int = 7) -> dict[int, float]:
+    """MB -> GB/s reading a tensor of that size again and again (the fastest read: the cache's speed is
+    what is asked, and this VM's neighbours only ever slow it)."""
+    curve = {}
+    for mb in CACHE_SIZES_MB:
+        t = torch.ones(mb * 2**20 // 4)
+        t.sum()  # the first read brings it in
+        fastest = min(_timed(t.sum) for _ in range(repeats))
+        curve[mb] = mb * 2**20 / fastest / 1e9
+    return curve
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def cache_edge(curve: dict[int, float], memory_gb_s: float) -> tuple[int, float]:
+    """(the largest size read at least CACHE_SPEEDUP x memory's bandwidth, counting up from the smallest
+    until one is not, and the median GB/s up to it); (0, 0.0) where even the smallest is not."""
+    held = []
+    for mb in sorted(curve):
+        if curve[mb] < CACHE_SPEEDUP * memory_gb_s:
+            break
+        held.append(mb)
+    return (held[-1], statistics.median(curve[mb] for mb in held)) if held else (0, 0.0)
 
 
 def weight_bytes(model: DecoderModel) -> int:
@@ -111,6 +150,8 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
         forward(1)  # each stand-in's zeros, allocated outside the timing
         other_s = _median_time(lambda: forward(1), repeats)
     bandwidth = read_bandwidth()
+    curve = cache_curve()
+    cache_mb, cache_gb_s = cache_edge(curve, bandwidth)
     nbytes = weight_bytes(model)
     bound = nbytes / (bandwidth * 1e9)
     backends: dict[str, int] = {}
@@ -132,4 +173,7 @@ def measure(model: DecoderModel, context: int = 128, max_k: int = 16, repeats: i
         row_exact=all(type(lin).row_exact for lin in model.linears()),
         memory_bytes=memory,
         kernel_notes=list(model.kernels.reasons),
+        cache_curve={mb: round(v, 1) for mb, v in curve.items()},
+        cache_mb=cache_mb,
+        cache_bandwidth_gb_s=cache_gb_s,
     )

@@ -63,9 +63,10 @@ def _report(r, dtype: str) -> str:
         f"weights {r.weights} ({dtype} activations): linears on {backends}; "
         f"row-exact: {'yes' if r.row_exact else 'no'}",
         f"  read bandwidth          {r.bandwidth_gb_s:8.1f} GB/s",
-        f"  weights read per step   {r.weight_bytes / 1e6:8.1f} MB",
+        _cache_line(r),
+        f"  weights read per step   {r.weight_bytes / 1e6:8.1f} MB{_fits(r)}",
         f"  weights in memory       {r.memory_bytes / 1e6:8.1f} MB (with the float embedding table)",
-        f"  step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s)",
+        f"  step lower bound        {r.bound_ms:8.2f} ms  ({1000 / r.bound_ms:.0f} tokens/s){_cached_bound(r)}",
         f"  measured decode step    {r.step_ms:8.2f} ms  ({1000 / r.step_ms:.0f} tokens/s)",
         f"  measured / bound        {r.step_over_bound:8.2f}x  -> {verdict}",
         f"  of a step: linears      {r.linear_ms:8.2f} ms, the rest {r.other_ms:.2f} ms "
@@ -75,6 +76,29 @@ def _report(r, dtype: str) -> str:
     ]
     lines += [f"  note: {note}" for note in r.kernel_notes or []]
     return "\n".join(lines)
+
+
+def _cache_line(r) -> str:
+    if not r.cache_mb:
+        return "  last-level cache        none measured (every size read at memory's speed)"
+    return (
+        f"  last-level cache        {r.cache_bandwidth_gb_s:8.1f} GB/s reading up to {r.cache_mb} MB "
+        f"({r.cache_bandwidth_gb_s / r.bandwidth_gb_s:.1f}x memory)"
+    )
+
+
+def _fits(r) -> str:
+    """Whether a step's weights fit in the cache (a draft's weights and the KV cache come on top)."""
+    if not r.cache_mb:
+        return ""
+    return " (within the cache)" if r.weight_bytes <= r.cache_mb * 2**20 else " (more than the cache)"
+
+
+def _cached_bound(r) -> str:
+    """The bound again at the cache's bandwidth, where a step's weights fit in it."""
+    if not r.cache_mb or r.weight_bytes > r.cache_mb * 2**20:
+        return ""
+    return f"; {r.weight_bytes / (r.cache_bandwidth_gb_s * 1e6):.2f} ms read from the cache"
 
 
 def main(argv: list[str] | None = None) -> int:
