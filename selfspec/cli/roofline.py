@@ -79,8 +79,11 @@ def _report(r, dtype: str) -> str:
 
 
 def _cache_line(r) -> str:
+    from selfspec.calibration.roofline import CACHE_SIZES_MB, CACHE_SPEEDUP
+
     if not r.cache_mb:
-        return "  last-level cache        none measured (every size read at memory's speed)"
+        first = CACHE_SIZES_MB[0]
+        return f"  last-level cache        none found (even {first} MB read under {CACHE_SPEEDUP}x memory's speed)"
     return (
         f"  last-level cache        {r.cache_bandwidth_gb_s:8.1f} GB/s reading up to {r.cache_mb} MB "
         f"({r.cache_bandwidth_gb_s / r.bandwidth_gb_s:.1f}x memory)"
