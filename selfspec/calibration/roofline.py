@@ -45,15 +45,25 @@ class Roofline:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def in_cache(self) -> bool | None:
+        """Whether a step's weights fit in the last-level cache (None: no cache found)."""
+        return self.weight_bytes <= self.cache_mb * 2**20 if self.cache_mb else None
 
-def _median_time(fn, repeats: int) -> float:
+
+def _samples(fn, repeats: int) -> list[float]:
+    """Seconds of `repeats` calls of fn, after one untimed call."""
     fn()
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return samples
+
+
+def _median_time(fn, repeats: int) -> float:
+    return statistics.median(_samples(fn, repeats))
 
 
 def read_bandwidth(repeats: int = 5) -> float:
@@ -68,16 +78,8 @@ def cache_curve(repeats: int = 7) -> dict[int, float]:
     curve = {}
     for mb in CACHE_SIZES_MB:
         t = torch.ones(mb * 2**20 // 4)
-        t.sum()  # the first read brings it in
-        fastest = min(_timed(t.sum) for _ in range(repeats))
-        curve[mb] = mb * 2**20 / fastest / 1e9
+        curve[mb] = mb * 2**20 / min(_samples(t.sum, repeats)) / 1e9  # the untimed first read brings it in
     return curve
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def cache_edge(curve: dict[int, float], memory_gb_s: float) -> tuple[int, float]:

@@ -92,14 +92,12 @@ def _cache_line(r) -> str:
 
 def _fits(r) -> str:
     """Whether a step's weights fit in the cache (a draft's weights and the KV cache come on top)."""
-    if not r.cache_mb:
-        return ""
-    return " (within the cache)" if r.weight_bytes <= r.cache_mb * 2**20 else " (more than the cache)"
+    return {None: "", True: " (within the cache)", False: " (more than the cache)"}[r.in_cache]
 
 
 def _cached_bound(r) -> str:
     """The bound again at the cache's bandwidth, where a step's weights fit in it."""
-    if not r.cache_mb or r.weight_bytes > r.cache_mb * 2**20:
+    if not r.in_cache:
         return ""
     return f"; {r.weight_bytes / (r.cache_bandwidth_gb_s * 1e6):.2f} ms read from the cache"
 
