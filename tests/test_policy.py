@@ -99,6 +99,11 @@ def test_the_shipped_profile_of_this_machine_is_chosen(tmp_path, monkeypatch):
     # No profile of this machine: the closest one, which the policy names as foreign.
     assert shipped_profile("abc", "float32") == close
     assert "cpu 'Another CPU'" in SpecPolicy(close).foreign
+    # as close by count but on other vector units (an AVX-512 machine's profile on an AVX2 one): not chosen
+    units = synthetic_profile(machine=dict(machine_key(), capability="NO SUCH UNITS"))
+    units.save(tmp_path / "abc-float32-0.json")
+    assert shipped_profile("abc", "float32") == close
+    assert "capability 'NO SUCH UNITS'" in SpecPolicy(units).foreign
     here = synthetic_profile(knee=12)
     here.save(tmp_path / "abc-float32-c.json")
     assert shipped_profile("abc", "float32") == here and SpecPolicy(here).foreign is None

@@ -120,8 +120,8 @@ def machine_differences(machine: dict, backend: str | None = None) -> list[str]:
     flags = "isa" if "isa" in machine else "flags"  # a profile from before `isa` compared every flag
     diffs = [
         f"{k} {machine.get(k)!r} here {here[k]!r}"
-        for k in ("cpu", flags, "threads", "torch")
-        if machine.get(k) != here[k]
+        for k in ("cpu", flags, "capability", "threads", "torch")
+        if machine.get(k) != here[k] and (k != "capability" or k in machine)  # older profiles lack it
     ]
     if backend is not None and machine.get("backend", "native") != backend:
         diffs.append(f"backend {machine.get('backend', 'native')!r} here {backend!r}")
@@ -135,10 +135,17 @@ def shipped_profiles(fingerprint: str, dtype: str) -> list[Path]:
 
 
 def shipped_profile(fingerprint: str, dtype: str, backend: str | None = None) -> "Profile | None":
-    """This machine's profile among the shipped ones, else the one whose machine differs from it in the
-    fewest respects (the policy then says what differs, and trusts only its lookup buckets)."""
+    """This machine's profile among the shipped ones, else the closest: one timed on this machine's vector
+    units (torch's capability: AVX2, AVX512, ...) first, then the one that differs in the fewest respects
+    (the policy then says what differs, and trusts only its lookup buckets). By count alone, a Zen 3
+    VM with AVX2 took the profile of a Zen 4 with AVX-512, both "AMD EPYC" differing in flags."""
+
+    def distance(p: Profile) -> tuple[bool, int]:
+        diffs = machine_differences(p.machine, backend)
+        return any(d.startswith("capability ") for d in diffs), len(diffs)
+
     found = [Profile.load(p) for p in shipped_profiles(fingerprint, dtype)]
-    return min(found, key=lambda p: len(machine_differences(p.machine, backend)), default=None)
+    return min(found, key=distance, default=None)
 
 
 def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | None":
