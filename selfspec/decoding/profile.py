@@ -140,9 +140,11 @@ def shipped_profile(fingerprint: str, dtype: str, backend: str | None = None) ->
     (the policy then says what differs, and trusts only its lookup buckets). By count alone, a Zen 3
     VM with AVX2 took the profile of a Zen 4 with AVX-512, both "AMD EPYC" differing in flags."""
 
+    units = machine_key()["capability"]
+
     def distance(p: Profile) -> tuple[bool, int]:
-        diffs = machine_differences(p.machine, backend)
-        return any(d.startswith("capability ") for d in diffs), len(diffs)
+        other_units = p.machine.get("capability", units) != units
+        return other_units, len(machine_differences(p.machine, backend))
 
     found = [Profile.load(p) for p in shipped_profiles(fingerprint, dtype)]
     return min(found, key=distance, default=None)
