@@ -118,10 +118,11 @@ def machine_differences(machine: dict, backend: str | None = None) -> list[str]:
     profiles named it was measured on `native`, the only float backend `auto` picked then)."""
     here = machine_key()
     flags = "isa" if "isa" in machine else "flags"  # a profile from before `isa` compared every flag
+    units = ("capability",) if "capability" in machine else ()  # the oldest profiles lack it
     diffs = [
         f"{k} {machine.get(k)!r} here {here[k]!r}"
-        for k in ("cpu", flags, "capability", "threads", "torch")
-        if machine.get(k) != here[k] and (k != "capability" or k in machine)  # older profiles lack it
+        for k in ("cpu", flags, *units, "threads", "torch")
+        if machine.get(k) != here[k]
     ]
     if backend is not None and machine.get("backend", "native") != backend:
         diffs.append(f"backend {machine.get('backend', 'native')!r} here {backend!r}")
