@@ -1312,7 +1312,9 @@ static inline __attribute__((always_inline)) void rebuild_rows(const uint8_t *b,
     }
 }
 
-/* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile. */
+/* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile. Not yet timed: each
+ * row's two FMAs per pair of inputs go to one sum, back to back, and 4-8 rows take one panel, so a 4-row
+ * tile keeps only 4 sums in flight (the AVX2 tile below gained ~1.5x at 4 rows from fixing the same). */
 static inline __attribute__((always_inline)) void code_tile(const float *x, const uint8_t *w, float *y, int64_t in,
                                                             int64_t out, int64_t cols, int np, int n, int bits,
                                                             const char *next, int64_t step) {
@@ -1406,9 +1408,10 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
                     /* All four weight vectors first, then each row's input 2t into both halves before its
                      * input 2t + 1: a sum's next FMA never waits on the one just issued. Halves one after
                      * the other (each row's two FMAs back to back, on the FMA's latency) ran a 4-row tile
-                     * at ~55 % of the FMA ports' peak; this at ~80 %, the same sums in the same order.
-                     * benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads, best of six alternating runs):
-                     * 4 / 8 rows 12.96 / 24.61 -> 8.36 / 17.21 ms, one row 6.5-6.7 ms either way. */
+                     * in the cache at about half the FMA ports' peak, this at 80-86 %; the same sums in the
+                     * same order. benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads, best of six runs
+                     * alternating the two): 4 / 8 rows 12.5 / 23.6 -> 8.8 / 17.0 ms, 1 row 6.7-6.8 either
+                     * way; in the cache (`hot`) 10.7 / 21.0 -> 6.6 / 13.0 ms. */
                     for (int h = 0; h < 2; h++) w0[h] = fma8(m[h], q0[h], d[h]), w1[h] = fma8(m[h], q1[h], d[h]);
                     for (int r = 0; r < n; r++) {
                         v8 x0 = splat8(xg[r * in + 2 * t]), x1 = splat8(xg[r * in + 2 * t + 1]);
