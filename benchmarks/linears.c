@@ -14,6 +14,7 @@
  *
  *   /tmp/linears 6 2 hot  # the 30 layers all on layer 0's weights, no LM head: 2.2 MB of codes (14 MB
  *                         # of float32) that stay in the cache, so the time is the kernels' arithmetic
+ *   /tmp/linears 6 2 prompt  # a prompt's 256 rows through the 30 layers (no LM head): ms a row
  *
  * Add -DAHEAD_F32=0 -DAHEAD_BF16=0 (-DQ4_AHEAD=0 -DQ8_AHEAD=0) to build without the kernels' software
  * prefetch. */
@@ -30,9 +31,29 @@ static double seconds(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+/* A prompt's rows (PROMPT of them) through the layers' `count` linears, best of 6 passes: ms a row. */
+enum { PROMPT = 256 };
+static int prompt_rows(int mode, void *const *w, const int64_t *in, const int64_t *out, int count, int threads) {
+    if (mode != 0 && mode != 1 && mode != 6) return fprintf(stderr, "prompt: modes 0, 1 and 6\n"), 2;
+    float *x = aligned_alloc(64, sizeof(float) * PROMPT * 1536), *y = aligned_alloc(64, sizeof(float) * PROMPT * 1536);
+    for (int i = 0; i < PROMPT * 1536; i++) x[i] = (float)(i % 17) * 0.01f;
+    double best = 1e9;
+    for (int pass = 0; pass < 6; pass++) {
+        double t = seconds();
+        for (int l = 0; l < count; l++)
+            if (mode == 6) linear_codes(x, w[l], y, PROMPT, in[l], out[l], 4, threads);
+            else linear_dense(x, w[l], y, PROMPT, in[l], out[l], mode, threads);
+        t = seconds() - t;
+        best = t < best ? t : best;
+    }
+    printf("mode %d, %d threads, a %d-row prompt through the layers: %.3f ms a row\n", mode, threads, PROMPT,
+           best * 1e3 / PROMPT);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int mode = argc > 1 ? atoi(argv[1]) : 0, bf = mode == 1 || mode == 3, threads = argc > 2 ? atoi(argv[2]) : 2;
-    int hot = argc > 3 && !strcmp(argv[3], "hot");
+    int hot = argc > 3 && !strcmp(argv[3], "hot"), prompt = argc > 3 && !strcmp(argv[3], "prompt");
     if (mode == 5 && !tiles_ready()) return 1; /* Linux lends AMX's tile state on request */
     const int64_t shapes[8][2] = {{576, 576}, {576, 192}, {576, 192}, {576, 576},
                                   {576, 1536}, {576, 1536}, {1536, 576}, {576, 49152}}; /* [in, out] */
@@ -56,6 +77,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 8 * 1536; i++) x[i] = (float)(i % 17) * 0.01f;
     float *scale = aligned_alloc(64, sizeof(float) * 49152);
     for (int i = 0; i < 49152; i++) scale[i] = 0.01f;
+    if (prompt) return prompt_rows(mode, w, in, out, LINEARS - 1, threads);
     const int ks[] = {1, 2, 3, 4, 5, 6, 7, 8};
     double best[8];
     for (int j = 0; j < 8; j++) best[j] = 1e9;

@@ -1145,6 +1145,8 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, con
         for (int p = 0; p < np; p++) {
             const char *panel = (const char *)w + p * in * PANEL * (bf ? 2 : 4);
             v8 lo = panel8(panel, i, 0, bf), hi = panel8(panel, i, 1, bf);
+            if (n == TILE_ROWS) /* in registers, not reloaded by each FMA (a prompt's tiles: ~6 % faster) */
+                __asm__("" : "+x"(lo), "+x"(hi));
             prefetch_ahead(panel, i, bf);
             prefetch_next(next, i, step);
             for (int r = 0; r < n; r++) {
@@ -1383,6 +1385,34 @@ static inline v8 half8(const uint8_t *p) {
 #endif
 }
 
+/* 6 rows of a CODES4 tile, inputs 2t and 2t + 1 (codes at c, xt: x + 2t; dm: the block's scales and
+ * offsets, both halves, as floats): 12 sums, one input at a time, its two weight halves rebuilt from a
+ * fresh load of the codes, scales and offsets. Both inputs' four halves at once, as code_tile does for
+ * fewer rows, would need 12 sums, 4 weights, 4 scales and offsets and a broadcast: more than the 16
+ * registers, and that tile spilled its sums. Each sum takes the same FMAs in the same order, and each
+ * weight the same rebuild, so the same bits. benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads,
+ * alternating, best of 4-8 runs): 6 rows 12.2 -> 11.6 ms from memory, 11.2 -> 9.9 ms in the cache; 5 rows
+ * (10 sums, which fit beside the 4 weights) ran 5 % slower this way and keep code_tile's order. */
+static inline __attribute__((always_inline)) void wide_rows(v8 (*acc)[TILE_ROWS], const uint8_t *c, const float *dm,
+                                                            const float *xt, int64_t in, int n) {
+    for (int j = 0; j < 2; j++) {
+        const uint8_t *cj = c;
+        const float *sj = dm;
+        __asm__ volatile("" : "+r"(cj), "+r"(sj)); /* loaded again for each input: registers are short */
+        v8 w[2];
+        for (int h = 0; h < 2; h++) {
+            v8 low, high;
+            nibbles(cj + LANES * h, &low, &high);
+            w[h] = fma8(load8(sj + 2 * LANES + LANES * h), j ? high : low, load8(sj + LANES * h));
+        }
+        for (int r = 0; r < n; r++) {
+            v8 xi = splat8(xt[r * in + j]);
+            acc[0][r] = fma8(acc[0][r], w[0], xi);
+            acc[1][r] = fma8(acc[1][r], w[1], xi);
+        }
+    }
+}
+
 /* n rows of x times `np` consecutive code panels (w: the first) -> y, as panel_tile (each lane the same
  * arithmetic as the AVX-512 path's). */
 static inline __attribute__((always_inline)) void code_tile(const float *x, const uint8_t *w, float *y, int64_t in,
@@ -1400,6 +1430,8 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
             v8 d[2] = {half8(b), half8(b + 2 * LANES)};
             if (bits == 4) {
                 v8 m[2] = {half8(b + SCALES), half8(b + SCALES + 2 * LANES)};
+                float dm[4 * LANES] __attribute__((aligned(32))); /* d and m for wide_rows */
+                if (n == 6) memcpy(dm, d, sizeof d), memcpy(dm + 2 * LANES, m, sizeof m);
                 for (int t = 0; t < CODE_GROUP / 2; t++) {
                     v8 q0[2], q1[2], w0[2], w1[2];
                     nibbles(b + 2 * SCALES + 16 * t, &q0[0], &q1[0]);
@@ -1412,6 +1444,10 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
                      * same order. benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads, best of six runs
                      * alternating the two): 4 / 8 rows 12.5 / 23.6 -> 8.8 / 17.0 ms, 1 row 6.7-6.8 either
                      * way; in the cache (`hot`) 10.7 / 21.0 -> 6.6 / 13.0 ms. */
+                    if (n == 6) { /* see wide_rows */
+                        wide_rows(acc[p], b + 2 * SCALES + 16 * t, dm, xg + 2 * t, in, n);
+                        continue;
+                    }
                     for (int h = 0; h < 2; h++) w0[h] = fma8(m[h], q0[h], d[h]), w1[h] = fma8(m[h], q1[h], d[h]);
                     for (int r = 0; r < n; r++) {
                         v8 x0 = splat8(xg[r * in + 2 * t]), x1 = splat8(xg[r * in + 2 * t + 1]);
@@ -1474,7 +1510,6 @@ static inline __attribute__((always_inline)) void pair_code_tile(const int32_t *
 #endif
 
 #ifdef __AVX512F__
-#define REBUILT 1
 /* A prompt's many row tiles each rebuilding a code panel: instead the panel is rebuilt once (the same
  * float32 weights, rounded to bfloat16 into pair rows for PANELS_PAIR_CODES*) into `dst`, laid out as
  * panel_tile's float32 panel or pair_tile's pair panel, which then run every tile: the same products in
@@ -1500,9 +1535,36 @@ static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, voi
     }
 }
 #else
-#define REBUILT 0
+/* rebuild_panel on 8-lane halves, float32 only (pair panels need AVX512-BF16): each weight rebuilt as
+ * code_tile rebuilds it, so panel_tile's sums are code_tile's bit for bit. A prompt's rows then take
+ * 6-row tiles of one panel, its weights in registers, where each code tile rebuilt the panel again:
+ * the default model's 30 layers on 256 rows of codes (a C harness, AMD EPYC Zen 3, 2 threads, best of
+ * six runs alternating) took 1.30 ms a row against 1.71 on the code tiles. */
 static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, void *dst) {
-    (void)w, (void)in, (void)bits, (void)pairs, (void)dst;
+    (void)pairs;
+    int64_t block = code_block(bits);
+    float *out = dst;
+    for (int64_t g = 0; g < in / CODE_GROUP; g++) {
+        const uint8_t *b = w + g * block;
+        float *rows = out + g * CODE_GROUP * PANEL;
+        v8 d[2] = {half8(b), half8(b + 2 * LANES)};
+        if (bits == 4) {
+            v8 m[2] = {half8(b + SCALES), half8(b + SCALES + 2 * LANES)};
+            for (int t = 0; t < CODE_GROUP / 2; t++)
+                for (int h = 0; h < 2; h++) {
+                    v8 q0, q1;
+                    nibbles(b + 2 * SCALES + 16 * t + LANES * h, &q0, &q1);
+                    v8 w0 = fma8(m[h], q0, d[h]), w1 = fma8(m[h], q1, d[h]);
+                    memcpy(rows + 2 * t * PANEL + LANES * h, &w0, sizeof w0);
+                    memcpy(rows + (2 * t + 1) * PANEL + LANES * h, &w1, sizeof w1);
+                }
+        } else
+            for (int t = 0; t < CODE_GROUP; t++)
+                for (int h = 0; h < 2; h++) {
+                    v8 wt = codes8((const int8_t *)(b + SCALES + 16 * t + LANES * h)) * d[h];
+                    memcpy(rows + t * PANEL + LANES * h, &wt, sizeof wt);
+                }
+    }
 }
 #endif
 
@@ -1527,7 +1589,7 @@ enum { PANELS_F32, PANELS_BF16, PANELS_PAIRS, PANELS_CODES4, PANELS_CODES8, PANE
      : kind == PANELS_BF16        ? panel_tile(xr, wp, yr, in, out, cols, np, n, 1, next, step)                       \
                                    : panel_tile(xr, wp, yr, in, out, cols, np, n, 0, next, step))
 
-#if defined(__AVX512F__) && REBUILT
+#ifdef __AVX512F__
 /* A prompt's rows (float32) over code panels of `bits`: four panels at a time rebuilt to float32, then
  * tiles of 6 rows by the four (24 accumulators: a broadcast of x feeds four FMAs, where one panel's 8-row
  * tiles loaded an x element per FMA and ran at about a third of the FMA units' rate). Each output is
@@ -1590,9 +1652,9 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
     int stream = tiles > 1 && tiles <= STREAM_TILES;
     int64_t step = stream ? (int64_t)((bytes / (size_t)in) << 16) / tiles : 0;
     int pairs = layout == PANELS_PAIR_CODES4 || layout == PANELS_PAIR_CODES8;
-    int rebuild = REBUILT && codes && tiles > STREAM_TILES; /* a prompt's code panels, each rebuilt once */
+    int rebuild = codes && tiles > STREAM_TILES; /* a prompt's code panels, each rebuilt once */
     (void)xb;
-#if defined(__AVX512F__) && REBUILT
+#ifdef __AVX512F__
     if (rebuild && !pairs) {
         prompt_panels(x, w, y, rows, in, out, codes, bytes, threads);
         return;
