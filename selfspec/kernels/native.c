@@ -1419,8 +1419,9 @@ static inline v8 half8(const uint8_t *p) {
  * fewer rows, would need 12 sums, 4 weights, 4 scales and offsets and a broadcast: more than the 16
  * registers, and that tile spilled its sums. Each sum takes the same FMAs in the same order, and each
  * weight the same rebuild, so the same bits. benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads,
- * alternating, best of 4-8 runs): 6 rows 12.2 -> 11.6 ms from memory, 11.2 -> 9.9 ms in the cache; 5 rows
- * (10 sums, which fit beside the 4 weights) ran 5 % slower this way and keep code_tile's order. */
+ * alternating, best of 4-8 runs, two sessions of runs): 6 rows 12.2-12.9 -> 11.6-12.0 ms from memory,
+ * 10.7-11.2 -> 9.9-10.1 ms in the cache; 5 rows (10 sums, which fit beside the 4 weights) ran 5 % slower
+ * this way and keep code_tile's order. */
 static inline __attribute__((always_inline)) void wide_rows(v8 (*acc)[TILE_ROWS], const uint8_t *c, const float *dm,
                                                             const float *xt, int64_t in, int n) {
     for (int j = 0; j < 2; j++) {
@@ -1566,8 +1567,9 @@ static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, voi
 /* rebuild_panel on 8-lane halves, float32 only (pair panels need AVX512-BF16): each weight rebuilt as
  * code_tile rebuilds it, so panel_tile's sums are code_tile's bit for bit. A prompt's rows then take
  * 6-row tiles of one panel, its weights in registers, where each code tile rebuilt the panel again:
- * the default model's 30 layers on 256 rows of codes (a C harness, AMD EPYC Zen 3, 2 threads, best of
- * six runs alternating) took 1.30 ms a row against 1.71 on the code tiles. */
+ * the default model's 30 layers on 256 rows of codes (benchmarks/linears.c ... prompt, AMD EPYC Zen 3,
+ * 2 threads, best of six runs alternating) took 1.12 ms a row against 1.62 on the code tiles, near the
+ * FMA ports' peak (~1.1 ms a row). */
 static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, void *dst) {
     (void)pairs;
     int64_t block = code_block(bits);
