@@ -1173,8 +1173,10 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, con
         for (int p = 0; p < np; p++) {
             const char *panel = (const char *)w + p * in * PANEL * (bf ? 2 : 4);
             v8 lo = panel8(panel, i, 0, bf), hi = panel8(panel, i, 1, bf);
+#ifdef __AVX__
             if (n == TILE_ROWS) /* in registers, not reloaded by each FMA (a prompt's tiles: ~6 % faster) */
                 __asm__("" : "+x"(lo), "+x"(hi));
+#endif
             prefetch_ahead(panel, i, bf);
             prefetch_next(next, i, step);
             for (int r = 0; r < n; r++) {
