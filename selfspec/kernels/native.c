@@ -1415,7 +1415,16 @@ static inline v8 half8(const uint8_t *p) {
 #endif
 }
 
-/* 6 rows of a CODES4 tile, inputs 2t and 2t + 1 (codes at c, xt: x + 2t; dm: the block's scales and
+/* Half h (columns 8h .. 8h + 7) of rows 2t and 2t + 1 of CODES4 block b rebuilt in float32, q * d + m: the
+ * one rebuild of code_tile, wide_rows and rebuild_panel. */
+static inline __attribute__((always_inline)) void rebuild_half(const uint8_t *b, int t, int h, v8 d, v8 m, v8 *w0,
+                                                               v8 *w1) {
+    v8 q0, q1;
+    nibbles(b + 2 * SCALES + 16 * t + LANES * h, &q0, &q1);
+    *w0 = fma8(m, q0, d), *w1 = fma8(m, q1, d);
+}
+
+/* 6 rows of a CODES4 tile, inputs 2t and 2t + 1 (b: the block, xt: x + 2t; dm: the block's scales and
  * offsets, both halves, as floats): 12 sums, one input at a time, its two weight halves rebuilt from a
  * fresh load of the codes, scales and offsets. Both inputs' four halves at once, as code_tile does for
  * fewer rows, would need 12 sums, 4 weights, 4 scales and offsets and a broadcast: more than the 16
@@ -1424,17 +1433,17 @@ static inline v8 half8(const uint8_t *p) {
  * alternating, best of 4-8 runs, two sessions of runs): 6 rows 12.2-12.9 -> 11.6-12.0 ms from memory,
  * 10.7-11.2 -> 9.9-10.1 ms in the cache; 5 rows (10 sums, which fit beside the 4 weights) ran 5 % slower
  * this way and keep code_tile's order. */
-static inline __attribute__((always_inline)) void wide_rows(v8 (*acc)[TILE_ROWS], const uint8_t *c, const float *dm,
-                                                            const float *xt, int64_t in, int n) {
+static inline __attribute__((always_inline)) void wide_rows(v8 (*acc)[TILE_ROWS], const uint8_t *b, int t,
+                                                            const float *dm, const float *xt, int64_t in, int n) {
     for (int j = 0; j < 2; j++) {
-        const uint8_t *cj = c;
+        const uint8_t *bj = b;
         const float *sj = dm;
-        __asm__ volatile("" : "+r"(cj), "+r"(sj)); /* loaded again for each input: registers are short */
+        __asm__ volatile("" : "+r"(bj), "+r"(sj)); /* loaded again for each input: registers are short */
         v8 w[2];
         for (int h = 0; h < 2; h++) {
-            v8 low, high;
-            nibbles(cj + LANES * h, &low, &high);
-            w[h] = fma8(load8(sj + 2 * LANES + LANES * h), j ? high : low, load8(sj + LANES * h));
+            v8 w0, w1;
+            rebuild_half(bj, t, h, load8(sj + LANES * h), load8(sj + 2 * LANES + LANES * h), &w0, &w1);
+            w[h] = j ? w1 : w0;
         }
         for (int r = 0; r < n; r++) {
             v8 xi = splat8(xt[r * in + j]);
@@ -1462,12 +1471,15 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
             if (bits == 4) {
                 v8 m[2] = {half8(b + SCALES), half8(b + SCALES + 2 * LANES)};
                 float dm[4 * LANES] __attribute__((aligned(32))); /* d and m for wide_rows */
-                if (n == 6) memcpy(dm, d, sizeof d), memcpy(dm + 2 * LANES, m, sizeof m);
+                if (n == TILE_ROWS) memcpy(dm, d, sizeof d), memcpy(dm + 2 * LANES, m, sizeof m);
                 for (int t = 0; t < CODE_GROUP / 2; t++) {
-                    v8 q0[2], q1[2], w0[2], w1[2];
-                    nibbles(b + 2 * SCALES + 16 * t, &q0[0], &q1[0]);
-                    nibbles(b + 2 * SCALES + 16 * t + LANES, &q0[1], &q1[1]);
                     prefetch_next(next, g * CODE_GROUP + 2 * t, step);
+                    if (n == TILE_ROWS) { /* see wide_rows */
+                        wide_rows(acc[p], b, t, dm, xg + 2 * t, in, n);
+                        continue;
+                    }
+                    v8 w0[2], w1[2];
+                    for (int h = 0; h < 2; h++) rebuild_half(b, t, h, d[h], m[h], &w0[h], &w1[h]);
                     /* All four weight vectors first, then each row's input 2t into both halves before its
                      * input 2t + 1: a sum's next FMA never waits on the one just issued. Halves one after
                      * the other (each row's two FMAs back to back, on the FMA's latency) ran a 4-row tile
@@ -1475,11 +1487,6 @@ static inline __attribute__((always_inline)) void code_tile(const float *x, cons
                      * same order. benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads, best of six runs
                      * alternating the two): 4 / 8 rows 12.5 / 23.6 -> 8.8 / 17.0 ms, 1 row 6.7-6.8 either
                      * way; in the cache (`hot`) 10.7 / 21.0 -> 6.6 / 13.0 ms. */
-                    if (n == 6) { /* see wide_rows */
-                        wide_rows(acc[p], b + 2 * SCALES + 16 * t, dm, xg + 2 * t, in, n);
-                        continue;
-                    }
-                    for (int h = 0; h < 2; h++) w0[h] = fma8(m[h], q0[h], d[h]), w1[h] = fma8(m[h], q1[h], d[h]);
                     for (int r = 0; r < n; r++) {
                         v8 x0 = splat8(xg[r * in + 2 * t]), x1 = splat8(xg[r * in + 2 * t + 1]);
                         acc[p][0][r] = fma8(acc[p][0][r], w0[0], x0);
@@ -1584,9 +1591,8 @@ static void rebuild_panel(const uint8_t *w, int64_t in, int bits, int pairs, voi
             v8 m[2] = {half8(b + SCALES), half8(b + SCALES + 2 * LANES)};
             for (int t = 0; t < CODE_GROUP / 2; t++)
                 for (int h = 0; h < 2; h++) {
-                    v8 q0, q1;
-                    nibbles(b + 2 * SCALES + 16 * t + LANES * h, &q0, &q1);
-                    v8 w0 = fma8(m[h], q0, d[h]), w1 = fma8(m[h], q1, d[h]);
+                    v8 w0, w1;
+                    rebuild_half(b, t, h, d[h], m[h], &w0, &w1);
                     memcpy(rows + 2 * t * PANEL + LANES * h, &w0, sizeof w0);
                     memcpy(rows + (2 * t + 1) * PANEL + LANES * h, &w1, sizeof w1);
                 }
