@@ -1430,7 +1430,7 @@ static inline __attribute__((always_inline)) void rebuild_half(const uint8_t *b,
  * fewer rows, would need 12 sums, 4 weights, 4 scales and offsets and a broadcast: more than the 16
  * registers, and that tile spilled its sums. Each sum takes the same FMAs in the same order, and each
  * weight the same rebuild, so the same bits. benchmarks/linears.c mode 6 (AMD EPYC Zen 3, 2 threads,
- * alternating, best of 4-8 runs, two sessions of runs): 6 rows 12.2-12.9 -> 11.6-12.0 ms from memory,
+ * alternating, best of 4-8 runs, two sittings): 6 rows 12.2-12.9 -> 11.6-12.0 ms from memory,
  * 10.7-11.2 -> 9.9-10.1 ms in the cache; 5 rows (10 sums, which fit beside the 4 weights) ran 5 % slower
  * this way and keep code_tile's order. */
 static inline __attribute__((always_inline)) void wide_rows(v8 (*acc)[TILE_ROWS], const uint8_t *b, int t,
