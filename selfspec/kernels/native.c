@@ -617,6 +617,15 @@ static inline __attribute__((always_inline)) void scores(const float *q, const u
     }
 }
 
+/* Keys per pass of attention's softmax. AVX2: four exps8 in step (exps8), since one exp8's ~20 dependent
+ * steps one at a time filled Zen 3's FP scheduler (~3 cycles an element). AVX-512: one exp16, whose
+ * 512-bit ops Zen 4 already splits in two halves; two in step made a 4-row step's attention 4 % slower
+ * there (benchmarks/attend.py, 1000-token context). */
+#ifdef __AVX512F__
+#define EXP_KEYS 16
+#else
+#define EXP_KEYS 32
+#endif
 #define CHUNK 64 /* values per pass over the queries: 16 KB at dim 64, shared from L1 */
 #ifndef SPAN
 #define SPAN 256 /* keys per span: a query's partial results, merged (attend) */
@@ -787,24 +796,22 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
         int64_t n = end[(i0 + i) % m] - begin[(i0 + i) % m];
         float *pi = p + i * stride;
         for (int l = 0; l < LANES; l++) top[i] = peak[i * LANES + l] > top[i] ? peak[i * LANES + l] : top[i];
-        for (int64_t k = n; k < n + 32; k++) pi[k] = -INFINITY; /* the last vectors' padding */
+        for (int64_t k = n; k < n + EXP_KEYS; k++) pi[k] = -INFINITY; /* the last vectors' padding */
         v8 sum = {0};
-        for (int64_t k = 0; k < n; k += 32) { /* exp 32 at a time, summed 8 by 8 as ever: the same bits */
-            v8 part[4];
+        for (int64_t k = 0; k < n; k += EXP_KEYS) { /* summed 8 by 8 as ever: the same bits */
+            v8 part[EXP_KEYS / LANES];
 #ifdef __AVX512F__
-            v16 e[2];
-            memcpy(e, pi + k, sizeof e);
-            for (int h = 0; h < 2; h++) e[h] -= top[i];
-            exps16(e, 2);
-            memcpy(pi + k, e, sizeof e);
-            memcpy(part, e, sizeof part);
-#else /* exp8 on four vectors: v16 without AVX-512 compiled to a call through memory, which took a fifth
-       * of a 1-row step's attention at a 1000-token context (AMD EPYC, AVX2) */
+            v16 e;
+            memcpy(&e, pi + k, sizeof e);
+            e = exp16(e - top[i]);
+            memcpy(pi + k, &e, sizeof e);
+            memcpy(part, &e, sizeof part);
+#else
             for (int h = 0; h < 4; h++) part[h] = load8(pi + k + LANES * h) - splat8(top[i]);
             exps8(part, 4);
             memcpy(pi + k, part, sizeof part);
 #endif
-            for (int h = 0; h < 4; h++) sum += part[h]; /* past n: exp(-inf) = +0, which leaves a lane's sum */
+            for (int h = 0; h < EXP_KEYS / LANES; h++) sum += part[h]; /* past n: exp(-inf) = +0 leaves a lane's sum */
         }
         total[i] = sum8(sum);
         memset(acc + i * dim, 0, sizeof(float) * (size_t)dim);
