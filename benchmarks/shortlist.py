@@ -8,6 +8,8 @@ Agreement: teacher-forced on the target's own greedy answers to dev prompts (eve
 draft's layers give a hidden state per position; each head's top-1 is compared with the target's
 greedy token (int8 head, the float head itself, the 4-bit head alone, the shortlist for several k), and
 at T = 0.7 the expected acceptance sum(min(p, q)) of each head's distribution q against the target's p.
+Coarser heads: how often the float head's token is among the k highest scores of the head requantized
+to 4, 3 or 2 bits (what a shortlist of k would recover), and their MB.
 Time: an int4 draft of γ = 8 tokens (QuantizedDrafter.propose, greedy) after a prompt of each context,
 the two heads alternating in blocks, medians per token. Writes {out}.json/.md."""
 
@@ -36,6 +38,7 @@ from selfspec.decoding.round import RoundInput  # noqa: E402
 from selfspec.kernels.choice import QUANTIZED  # noqa: E402
 
 KS = (8, 16, 32, 64)
+COARSE = ((4, 32), (3, 32), (2, 32), (2, 16))  # (bits, group) of the coarser heads whose top k are checked
 
 
 def teacher_forced(
@@ -81,6 +84,32 @@ def agreement(engine: Engine, x: torch.Tensor, target: torch.Tensor, tokens: tor
         }
         for name, scores in heads.items()
     }
+
+
+def requantized(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """weight [vocab, hidden] rounded to `bits`-bit codes per group of `group` inputs, each group's lowest
+    value its offset and (highest - lowest) / (2^bits - 1) its scale (the GGUF Q4_1 rule at any width)."""
+    g = weight.float().reshape(weight.shape[0], -1, group)
+    low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((high - low) / (2**bits - 1)).clamp_min(torch.finfo(torch.float32).tiny)
+    return (((g - low) / scale).round().clamp(0, 2**bits - 1) * scale + low).reshape(weight.shape)
+
+
+def coverage(engine: Engine, x: torch.Tensor) -> list[dict]:
+    """How often the float head's top token is among a coarser head's k highest scores (a shortlist of k
+    recovers it, since the k are rescored exactly), for heads of fewer bits, with each head's MB (float16
+    scale and offset per group): the bytes a draft token would save against what its agreement would lose.
+    The heads are requantized from the float head in torch, not the kernels' own 4-bit head."""
+    weight = engine.model.head_weight.float()
+    best = (x.float() @ weight.t()).argmax(-1)  # [P]
+    rows = []
+    for bits, group in COARSE:
+        top = (x.float() @ requantized(weight, bits, group).t()).topk(max(KS) * 2, -1).indices  # [P, 128]
+        mb = weight.numel() * (bits + 32 / group) / 8 / 1e6
+        found = {f"k={k}": round(float((top[:, :k] == best[:, None]).any(-1).float().mean()), 4) for k in (*KS, 128)}
+        rows.append({"bits": bits, "group": group, "mb": round(mb, 1)} | found)
+        print(f"{bits}-bit head, groups of {group} ({mb:.1f} MB): the float head's token in its top k", found)
+    return rows
 
 
 def draft_times(engine: Engine, int8, contexts: list[int], blocks: int = 15) -> list[dict]:
@@ -139,9 +168,17 @@ def main() -> None:
         agree = agreement(engine, x, target, tokens, lambda h: int8(h).float())
         for name, a in agree.items():
             print(f"{name:18s} top-1 agreement {a['top1']:.4f}  T=0.7 acceptance {a['accept_t07']:.4f}", flush=True)
+        coarse = coverage(engine, x)
         times = draft_times(engine, int8, [int(n) for n in args.contexts.split(",")])
     machine = describe(args.threads)
-    result = {"machine": machine, "dtype": args.dtype, "positions": len(tokens), "agreement": agree, "draft": times}
+    result = {
+        "machine": machine,
+        "dtype": args.dtype,
+        "positions": len(tokens),
+        "agreement": agree,
+        "coarse": coarse,
+        "draft": times,
+    }
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
@@ -150,6 +187,15 @@ def main() -> None:
         "| draft head | top-1 agreement with the target | T = 0.7 expected acceptance |",
         "|---|---|---|",
         *(f"| {n} | {a['top1']} | {a['accept_t07']} |" for n, a in agree.items()),
+        "",
+        "| coarser head | MB | " + " | ".join(f"top {k}" for k in (*KS, 128)) + " |",
+        "|---|---|" + "---|" * (len(KS) + 1),
+        *(
+            f"| {r['bits']} bits, groups of {r['group']} | {r['mb']} | "
+            + " | ".join(str(r[f"k={k}"]) for k in (*KS, 128))
+            + " |"
+            for r in coarse
+        ),
         "",
         "| context | int8 head ms / draft token | shortlist ms / draft token | ratio (median of pairs) |",
         "|---|---|---|---|",
