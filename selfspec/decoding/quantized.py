@@ -19,6 +19,7 @@ from ..kernels import native
 from ..kernels.base import Linear
 from ..kernels.choice import QUANTIZED
 from ..kernels.native import NativeLinear
+from ..kernels.native_int2 import NativeInt2Dot
 from ..kernels.native_shared import SharedCodes
 from ..model.cache import PagedKVCache
 from ..model.decoder import DecoderModel
@@ -136,16 +137,27 @@ def _sampled(
 # a shortlist of 8 or more (the float head's token at every position); at T = 0.7 the expected acceptance
 # sum(min(p, q)) was 0.9767 (int8), 0.9805 (float), 0.9742 / 0.9772 / 0.9787 / 0.9795 with 8 / 16 / 32 / 64.
 SHORTLIST = 32
+# A 2-bit coarse head (kernels/native_int2.py; `shortlist(weight, 2)`) takes a shortlist of 128:
+# benchmarks/shortlist.py (AMD EPYC Zen 4, 985 teacher-forced positions) found the float head's token
+# among its best 32 / 128 at 0.976 / 0.996 of positions (the 4-bit head's best 8: all). It reads 10.6 MB
+# where the 4-bit head reads 17.7 (0.51 against 0.74 ms a call from memory; k = 128 costs the shortlist
+# 0.18 against 0.11 ms). In bf16 it decoded 26 dev prompts 1-3 % faster (the median speedup over plain
+# 1.495 -> 1.540 and 1.462 -> 1.512), in fp32 no faster (1.287 -> 1.295, geometric mean 1.353 -> 1.339,
+# acceptance 0.849 -> 0.820). Not the default: with it, a bf16 row sampled at top-k 40 / top-p 0.95
+# kept 37 tokens in the native draw and 35 in torch's (tests/test_drafters.py's
+# test_rows_draft_in_one_native_call allows one at the cut), which the 4-bit head's rows pass; the cause
+# (coarse scores that the shortlist left near the cut, probably) was not pinned down.
+SHORTLIST_2BIT = 128
 
 
 class Shortlist(Linear):
-    """The draft's LM head: the head's weight in 4 bits (`coarse`) scores the whole vocabulary, and the
-    `k` highest scores are replaced by the exact ones, recomputed from the float head rows (`weight`, the
-    target's). A greedy draft then picks the float head's token wherever it is among the coarse top k
-    (at every position measured); a sampled one draws from these scores, which is all the acceptance
-    rule needs (q is whatever the draft sampled from). It reads ~60 % of an int8 head's bytes (the
-    default model's 49152 x 576 head: 17.7 against 28.5 MB), and a draft token took 0.91-0.96x the time
-    it took with the int8 head (benchmarks/shortlist.py, AMD EPYC Zen 3)."""
+    """The draft's LM head: the head's weight in 4 bits (`coarse`; or 2, see `shortlist`) scores
+    the whole vocabulary, and the `k` highest scores are replaced by the exact ones, recomputed from the
+    float head rows (`weight`, the target's). A greedy draft then picks the float head's token wherever it
+    is among the coarse top k (at every position measured for 4 bits); a sampled one draws from these
+    scores, which is all the acceptance rule needs (q is whatever the draft sampled from). It reads ~60 %
+    of an int8 head's bytes (the default model's 49152 x 576 head: 17.7 against 28.5 MB), and a draft
+    token took 0.91-0.96x the time it took with the int8 head (benchmarks/shortlist.py, AMD EPYC Zen 3)."""
 
     name = "shortlist"
     row_exact = False  # a draft's scores need not be (verification decides every token)
@@ -172,11 +184,16 @@ class Shortlist(Linear):
         return y.scatter_(-1, idx, exact.float())
 
 
-def shortlist(weight: torch.Tensor) -> Shortlist | None:
-    """A Shortlist over the float head `weight` [vocab, hidden] (its activations' dtype and device) on the
-    fastest int4 backend available there; None where there is none."""
+def shortlist(weight: torch.Tensor, bits: int | None = None) -> Shortlist | None:
+    """A Shortlist over the float head `weight` [vocab, hidden] (its activations' dtype and device): its
+    coarse head on the fastest int4 backend available there, or (`bits` 2) on native.c's 2-bit kernel;
+    None where there is none."""
+    if weight.shape[1] % 32:
+        return None
+    if bits == 2 and NativeInt2Dot.unavailable(weight.dtype, weight.device) is None:
+        return Shortlist(NativeInt2Dot(weight, None, weight.dtype), weight, SHORTLIST_2BIT)
     backend = next((b for b in QUANTIZED["int4"] if b.unavailable(weight.dtype, weight.device) is None), None)
-    if backend is None or weight.shape[1] % 32:
+    if backend is None or bits == 2:
         return None
     return Shortlist(backend(weight, None, weight.dtype), weight)
 

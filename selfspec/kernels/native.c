@@ -1983,6 +1983,15 @@ int dot_i8(void) {
 #endif
 }
 
+/* Whether this build has linear_q2_i8 (the 2-bit panels: AVX2, F16C and AVX-512 BW). */
+int q2_i8(void) {
+#if defined(DOT_I8) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #ifdef DOT_I8
 /* x [rows, in] float32 -> qx [rows, in] int8, d [rows, in / 32] (the block scales), qsum [rows, in / 32]
  * (the sum of the block's codes) and s = d * qsum (what a per-group weight offset multiplies). */
@@ -2128,11 +2137,17 @@ static inline __attribute__((always_inline)) __m256i dot32(const __m256i *c, con
  * inputs 8j, 8j + 2, 8j + 4, 8j + 6 (low) and the odd ones (high), so the quantized activations are
  * reordered to match (codes_order). The integer sums are the same integers and the float steps the same,
  * so on the same codes the bits are those of the kernel's own panels. */
-#define Q4_PANEL_GROUP 320 /* bytes per panel and group in every layout (native_codes.py's code_block(4)) */
+#define Q4_PANEL_GROUP 320 /* bytes per panel and group in every 4-bit layout (native_codes.py's code_block(4)) */
+/* 2-bit weights (native_int2.py, the quantized draft's coarse head): per panel and group, 2 chunks of 64
+ * bytes, chunk k byte 4 * o + t holding column o's codes 4 (k + 2 s) + t in bits 2 s, 2 s + 1 (s = 0 .. 3),
+ * then the 16 float16 scales and the 16 offsets: 3 bits a weight, where the 4-bit panels take 5. AVX-512. */
+#define Q2_PANEL_GROUP 192
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 2048 /* bytes a tile prefetches ahead of its reads (as linear_dense's AHEAD) */
 #endif
-enum { Q4_OWN, Q4_CODES, Q4_PAIR_CODES }; /* the panels' layout: native_dot.py's, codes4, pair_codes4 */
+enum { Q4_OWN, Q4_CODES, Q4_PAIR_CODES, Q2_OWN }; /* the panels' layout: native_dot.py's, codes4, pair_codes4,
+                                                     native_int2.py's */
+static inline int64_t group_bytes(int layout) { return layout == Q2_OWN ? Q2_PANEL_GROUP : Q4_PANEL_GROUP; }
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define SHARED_CODES 1
 
@@ -2185,12 +2200,17 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
     __m512 acc[TILE_ROWS], off[TILE_ROWS];
     for (int r = 0; r < n; r++) acc[r] = off[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(15);
-    const int scales = layout == Q4_OWN ? 256 : 0, codes = layout == Q4_OWN ? 0 : 64; /* byte offsets */
+    const int scales = layout == Q4_OWN ? 256 : layout == Q2_OWN ? 128 : 0; /* byte offsets */
+    const int codes = layout == Q4_OWN || layout == Q2_OWN ? 0 : 64;
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *p = panel + g * Q4_PANEL_GROUP;
+        const uint8_t *p = panel + g * group_bytes(layout);
         for (int k = 0; k < 5; k++) __builtin_prefetch(p + Q4_AHEAD + 64 * k, 0, 3);
         __m512i c[8];
-        for (int j = 0; j < 4; j++) {
+        for (int k = 0; k < 2 && layout == Q2_OWN; k++) { /* c[k + 2 s]: bits 2 s, 2 s + 1 of each byte */
+            __m512i v = _mm512_loadu_si512((const void *)(p + 64 * k));
+            for (int t = 0; t < 4; t++) c[k + 2 * t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), _mm512_set1_epi8(3));
+        }
+        for (int j = 0; j < 4 && layout != Q2_OWN; j++) {
             __m512i v = _mm512_loadu_si512((const void *)(p + codes + 64 * j));
 #if SHARED_CODES
             if (layout != Q4_OWN) {
@@ -2264,6 +2284,10 @@ static inline __attribute__((always_inline)) void q4_panel(const int8_t *qx, con
             BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_CODES);
         } else if (layout == Q4_PAIR_CODES) {
             BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_PAIR_CODES);
+#ifdef __AVX512BW__
+        } else if (layout == Q2_OWN) {
+            BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q2_OWN);
+#endif
         } else {
             BY_ROWS(n, q4i8_tile, xr, dr, sr, panel, yr, in, out, cols, Q4_OWN);
         }
@@ -2274,7 +2298,7 @@ static inline __attribute__((always_inline)) void q4_panel(const int8_t *qx, con
 /* n quantized activations (quantize_i8's) put in the order `layout`'s panels read them. */
 static void q4_order(int8_t *qx, int64_t n, int layout) {
 #if SHARED_CODES
-    if (layout != Q4_OWN) codes_order(qx, n);
+    if (layout == Q4_CODES || layout == Q4_PAIR_CODES) codes_order(qx, n);
 #else
     (void)qx, (void)n, (void)layout;
 #endif
@@ -2290,7 +2314,7 @@ static void q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
     q4_order(qx, rows * in, layout);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < count; p++)
-        q4_panel(qx, d, s, panels + p * groups * Q4_PANEL_GROUP, y, rows, in, out, p, layout);
+        q4_panel(qx, d, s, panels + p * groups * group_bytes(layout), y, rows, in, out, p, layout);
     free(qx);
 }
 
@@ -2305,6 +2329,13 @@ void linear_q4_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
 void linear_q4_codes_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
                         int pairs, int threads) {
     q4_i8(x, panels, y, rows, in, out, pairs ? Q4_PAIR_CODES : Q4_CODES, threads);
+}
+#endif
+
+#ifdef __AVX512BW__
+/* x [rows, in] float32, 2-bit panels (Q2_PANEL_GROUP) -> y [rows, out]; in % 32 == 0. */
+void linear_q2_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    q4_i8(x, panels, y, rows, in, out, Q2_OWN, threads);
 }
 #endif
 
@@ -2633,7 +2664,7 @@ typedef struct { /* one linear's weights, as its backend (kernels/native_*.py) k
 enum {
     LINEAR_ZERO, LINEAR_F32, LINEAR_BF16, LINEAR_Q8, LINEAR_Q4, LINEAR_Q8_I8, LINEAR_Q4_I8, LINEAR_BF16_PAIRS,
     LINEAR_CODES4, LINEAR_CODES8, LINEAR_PAIR_CODES4, LINEAR_PAIR_CODES8, LINEAR_TILE_PAIRS, LINEAR_TILE_CODES4,
-    LINEAR_TILE_CODES8, LINEAR_Q4_CODES_I8, LINEAR_Q4_PAIR_CODES_I8
+    LINEAR_TILE_CODES8, LINEAR_Q4_CODES_I8, LINEAR_Q4_PAIR_CODES_I8, LINEAR_Q2_I8
 };
 
 typedef struct { /* what a pass's layers share (ops.Fused.prepare) */
@@ -2672,6 +2703,9 @@ static void linear_run(const linear_spec *L, const float *x, float *y, int64_t r
 #ifdef DOT_I8
     case LINEAR_Q8_I8: linear_q8_i8(x, L->w, L->scale, y, rows, L->in, L->out, threads); break;
     case LINEAR_Q4_I8: linear_q4_i8(x, L->w, y, rows, L->in, L->out, threads); break;
+#endif
+#ifdef __AVX512BW__
+    case LINEAR_Q2_I8: linear_q2_i8(x, L->w, y, rows, L->in, L->out, threads); break;
 #endif
 #if SHARED_CODES
     case LINEAR_Q4_CODES_I8: linear_q4_codes_i8(x, L->w, y, rows, L->in, L->out, 0, threads); break;
@@ -2763,7 +2797,7 @@ typedef struct { /* one layer's weights for `layers` (ops.Fused.layers builds th
  * was not found), so the other kinds keep a region per call. */
 #ifdef DOT_I8
 static int team_kind(const linear_spec *L) {
-    return L->kind == LINEAR_Q4_I8 ||
+    return L->kind == LINEAR_Q4_I8 || (q2_i8() && L->kind == LINEAR_Q2_I8) ||
            (SHARED_CODES && (L->kind == LINEAR_Q4_CODES_I8 || L->kind == LINEAR_Q4_PAIR_CODES_I8));
 }
 
@@ -2795,7 +2829,10 @@ static team_scratch scratch_for(int64_t rows, int64_t in) { /* in: the widest in
 static void team_linear(const linear_spec *L, const void *x, void *y, float *yf, int64_t rows, int bf,
                         team_scratch *S) {
     int64_t in = L->in, out = L->out, n = rows * in, count = (out + PANEL - 1) / PANEL;
-    int layout = L->kind == LINEAR_Q4_I8 ? Q4_OWN : L->kind == LINEAR_Q4_CODES_I8 ? Q4_CODES : Q4_PAIR_CODES;
+    int layout = L->kind == LINEAR_Q4_I8    ? Q4_OWN
+                 : L->kind == LINEAR_Q2_I8  ? Q2_OWN
+                 : L->kind == LINEAR_Q4_CODES_I8 ? Q4_CODES
+                                                 : Q4_PAIR_CODES;
     const float *xf = x;
     if (bf) {
         for (int64_t i = 0; i < n; i += LANES) putn(S->xf, i, getn(x, i, n - i, 1), n - i, 0);
@@ -2807,7 +2844,7 @@ static void team_linear(const linear_spec *L, const void *x, void *y, float *yf,
     const uint8_t *panels = L->w;
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < count; p++) {
-        q4_panel(S->qx, S->d, S->s, panels + p * (in / 32) * Q4_PANEL_GROUP, dst, rows, in, out, p, layout);
+        q4_panel(S->qx, S->d, S->s, panels + p * (in / 32) * group_bytes(layout), dst, rows, in, out, p, layout);
         for (int64_t r = 0; r < rows && bf; r++)
             for (int64_t c = p * PANEL; c < out && c < (p + 1) * PANEL; c += LANES)
                 putn(y, r * out + c, getn(yf, r * out + c, out - c, 0), out - c, 1);

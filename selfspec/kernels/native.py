@@ -90,6 +90,7 @@ KINDS = {
     "tile_codes8": 14,
     "q4_codes_i8": 15,
     "q4_pair_codes_i8": 16,
+    "q2_i8": 17,
 }
 
 
@@ -143,6 +144,10 @@ class Native:
             lib.linear_q4_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int]
             lib.linear_q8_i8.argtypes = lib.linear_q8.argtypes
             lib.linear_q4_i8.restype = lib.linear_q8_i8.restype = None
+        self.q2 = bool(lib.q2_i8())  # linear_q2_i8 is built (AVX2, F16C and AVX-512 BW)
+        if self.q2:
+            lib.linear_q2_i8.argtypes = lib.linear_q4_i8.argtypes
+            lib.linear_q2_i8.restype = None
         self.shared_codes = bool(lib.shared_codes())  # linear_q4_codes_i8 is built (AVX512-VBMI and AVX512BW)
         if self.shared_codes:
             lib.linear_q4_codes_i8.argtypes = [p, p, p, i, i, i, ctypes.c_int, ctypes.c_int]
