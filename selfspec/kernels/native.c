@@ -806,12 +806,12 @@ static void attend_group(const void *qkv, const void *kv, int64_t slots, const i
             e = exp16(e - top[i]);
             memcpy(pi + k, &e, sizeof e);
             memcpy(part, &e, sizeof part);
-#else
+#else /* v8, not v16: v16 without AVX-512 compiled to a call through memory (AMD EPYC, AVX2) */
             for (int h = 0; h < 4; h++) part[h] = load8(pi + k + LANES * h) - splat8(top[i]);
             exps8(part, 4);
             memcpy(pi + k, part, sizeof part);
 #endif
-            for (int h = 0; h < EXP_KEYS / LANES; h++) sum += part[h]; /* past n: exp(-inf) = +0 leaves a lane's sum */
+            for (int h = 0; h < EXP_KEYS / LANES; h++) sum += part[h]; /* past n: exp(-inf) = +0, no change */
         }
         total[i] = sum8(sum);
         memset(acc + i * dim, 0, sizeof(float) * (size_t)dim);
@@ -2137,7 +2137,7 @@ static inline __attribute__((always_inline)) __m256i dot32(const __m256i *c, con
  * inputs 8j, 8j + 2, 8j + 4, 8j + 6 (low) and the odd ones (high), so the quantized activations are
  * reordered to match (codes_order). The integer sums are the same integers and the float steps the same,
  * so on the same codes the bits are those of the kernel's own panels. */
-#define Q4_PANEL_GROUP 320 /* bytes per panel and group in every 4-bit layout (native_codes.py's code_block(4)) */
+#define Q4_PANEL_GROUP 320 /* bytes per panel and group of a 4-bit layout (native_codes.py's code_block(4)) */
 /* 2-bit weights (native_int2.py, the quantized draft's coarse head): per panel and group, 2 chunks of 64
  * bytes, chunk k byte 4 * o + t holding column o's codes 4 (k + 2 s) + t in bits 2 s, 2 s + 1 (s = 0 .. 3),
  * then the 16 float16 scales and the 16 offsets: 3 bits a weight, where the 4-bit panels take 5. AVX-512. */
@@ -2199,7 +2199,7 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
     int64_t groups = in / 32;
     __m512 acc[TILE_ROWS], off[TILE_ROWS];
     for (int r = 0; r < n; r++) acc[r] = off[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
     const int scales = layout == Q4_OWN ? 256 : layout == Q2_OWN ? 128 : 0; /* byte offsets */
     const int codes = layout == Q4_OWN || layout == Q2_OWN ? 0 : 64;
     for (int64_t g = 0; g < groups; g++) {
@@ -2208,7 +2208,7 @@ static inline __attribute__((always_inline)) void q4i8_tile(const int8_t *qx, co
         __m512i c[8];
         for (int k = 0; k < 2 && layout == Q2_OWN; k++) { /* c[k + 2 s]: bits 2 s, 2 s + 1 of each byte */
             __m512i v = _mm512_loadu_si512((const void *)(p + 64 * k));
-            for (int t = 0; t < 4; t++) c[k + 2 * t] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * t), _mm512_set1_epi8(3));
+            for (int s = 0; s < 4; s++) c[k + 2 * s] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), two);
         }
         for (int j = 0; j < 4 && layout != Q2_OWN; j++) {
             __m512i v = _mm512_loadu_si512((const void *)(p + codes + 64 * j));
@@ -2334,7 +2334,8 @@ void linear_q4_codes_i8(const float *x, const uint8_t *panels, float *y, int64_t
 
 #ifdef __AVX512BW__
 /* x [rows, in] float32, 2-bit panels (Q2_PANEL_GROUP) -> y [rows, out]; in % 32 == 0. */
-void linear_q2_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+void linear_q2_i8(const float *x, const uint8_t *panels, float *y, int64_t rows, int64_t in, int64_t out,
+                  int threads) {
     q4_i8(x, panels, y, rows, in, out, Q2_OWN, threads);
 }
 #endif
@@ -2829,8 +2830,8 @@ static team_scratch scratch_for(int64_t rows, int64_t in) { /* in: the widest in
 static void team_linear(const linear_spec *L, const void *x, void *y, float *yf, int64_t rows, int bf,
                         team_scratch *S) {
     int64_t in = L->in, out = L->out, n = rows * in, count = (out + PANEL - 1) / PANEL;
-    int layout = L->kind == LINEAR_Q4_I8    ? Q4_OWN
-                 : L->kind == LINEAR_Q2_I8  ? Q2_OWN
+    int layout = L->kind == LINEAR_Q4_I8         ? Q4_OWN
+                 : L->kind == LINEAR_Q2_I8       ? Q2_OWN
                  : L->kind == LINEAR_Q4_CODES_I8 ? Q4_CODES
                                                  : Q4_PAIR_CODES;
     const float *xf = x;
