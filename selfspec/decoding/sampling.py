@@ -126,6 +126,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         mass_before = sorted_p.cumsum(-1) - sorted_p  # [..., vocab] probability mass ranked above each token
         drop = mass_before >= params.top_p  # [..., vocab]
         drop[..., 0] = False  # the top token always survives, even a top_p that float32 rounds to 0
+        # tokens tied with the least likely one kept stay too, as native.c's cut keeps them: which of equal
+        # probabilities a sort puts first must not decide (bfloat16 logits tie often)
+        drop &= sorted_p < sorted_p.masked_fill(drop, math.inf).amin(-1, keepdim=True)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
