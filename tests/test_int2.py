@@ -31,6 +31,8 @@ def test_codes_round_each_weight_to_the_nearest_of_four_levels(shape):
     step = scale.repeat_interleave(GROUP, 1)
     assert ((levels - w).abs() <= step / 2 + 1e-3).all()
     assert torch.equal(NativeInt2Dot(w, None, torch.float32).dequantized(), levels)
+    with pytest.raises(ValueError, match="float16"):
+        quantize(w * 1e5)  # scales past float16's range
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 20])

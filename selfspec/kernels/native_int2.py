@@ -23,6 +23,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     offset = g.amin(-1).half().float()
     scale = ((g.amax(-1) - offset) / LEVELS).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+        raise ValueError("native2i8: a scale or offset is out of float16's range")
     codes = ((g - offset[..., None]) / safe[..., None]).round().clamp(0, LEVELS).to(torch.uint8)
     return codes.reshape(weight.shape), scale, offset
 
