@@ -49,7 +49,6 @@ class NativeInt2Dot(native.NativeLinear):
     name = "native2i8"
     kind = "q2_i8"
     multiple = GROUP
-    row_exact = True  # as native4i8: a row's blocks, scales and sums are its own
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(weight.shape[0], weight.shape[1], bias, dtype, weight.device)
