@@ -57,7 +57,7 @@ def test_codes_rebuild_the_float_weights_bit_for_bit(kind, codes, dtype):
     assert torch.equal(lin.dequantized(), rounded)  # what the kernel multiplies by
     assert torch.equal(lin.transposed(), rounded.t())  # what a prompt's GEMM multiplies by
     x = torch.randn(20, w.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
-    # every tile shape: 4 panels by 1 row, 2 by 2-3 rows, 1 by 4-8 .. 2 tiles streaming
+    # every tile shape (native.c's panel_span for this machine: 1-8 rows), then 2 tiles streaming
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 20):
         assert torch.equal(lin.matmul(x[:rows]), ref.matmul(x[:rows])), rows
     prompt = torch.randn(70, w.shape[1]).to(dtype)  # a prompt's rows: the codes' kernel, not a rebuilt GEMM

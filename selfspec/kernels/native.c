@@ -1668,21 +1668,36 @@ static void prompt_panels(const float *x, const void *w, float *y, int64_t rows,
 }
 #endif
 
+/* Panels a tile of over_panels takes for `rows` rows of `layout`: 4 for one row; 2 for 2-3 rows of float32
+ * weights, or of any layout with AVX-512; else 1. But code panels on AVX-512 take 1 wherever that measured
+ * faster (below).
+ * Without AVX-512, 2 bfloat16 panels by 3 rows need 12 accumulators, 4 widened weight halves and a
+ * broadcast: more than the 16 registers, so that tile spilled; 3 such rows take one panel at a time.
+ * benchmarks/linears.c mode 1 (AMD EPYC Zen 3, three runs alternating): 3 rows 11.1-11.4 -> 7.9-9.0
+ * ms, 1.31-1.58x -> 1.06-1.13x of one row. 2 rows too: benchmarks/step.py (the default model in
+ * bfloat16, 78-token context, two runs each) 12.4-12.7 -> 9.6-10.4 ms of linears against 10.0 for one
+ * row; linears.c 9.6-10.4 -> 8.9-9.3 ms. Float32 weights are FMA memory operands and keep 2 panels for
+ * up to 3 rows (1 panel: 2 / 3 rows 18.8 / 19.6-21.4 ms against 16.9-19.6 / 14.6-19.8 in step.py).
+ * On AVX-512 the code panels (4-bit and 8-bit, float32 and pair order) stream best one panel at a time
+ * (benchmarks/linears.c modes 4 and 6, AMD EPYC Zen 4, 2 threads, three runs alternating, ms for the
+ * default model's linears): bfloat16 1 / 2 / 3 rows 5.8-6.2 / 6.7-7.5 / 6.3-7.5 on 4 / 2 / 2 panels
+ * against 4.8-4.9 / 5.3-5.7 / 5.0-6.2 on one; float32 2 / 3 rows 6.3-6.4 / 6.9-8.3 against 5.3-5.8 /
+ * 5.5-6.1, and 1 row alike either way (5.1-5.3 on 4, 5.2-5.5 on one: its one sum waits on each FMA), so
+ * it keeps 4. Two panels for 4-8 rows (up to 16 sums) ran 1.5-1.8x slower. Any span gives the same bits. */
+static inline int64_t panel_span(int64_t rows, int layout) {
+    if (TILE_ROWS == 8 && (layout == PANELS_PAIR_CODES4 || layout == PANELS_PAIR_CODES8)) return 1;
+    if (TILE_ROWS == 8 && (layout == PANELS_CODES4 || layout == PANELS_CODES8)) return rows == 1 ? 4 : 1;
+    int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 1 : 3; /* the most rows 2 panels take */
+    return rows == 1 ? 4 : rows <= paired ? 2 : 1;
+}
+
 /* y [rows, out] = x [rows, in] @ W.T over panels of `layout` (xb: x narrowed to bfloat16, for pair
- * panels): groups of 1-4 panels split over the threads (4 for one row, 2 for 2-3 rows or for 2 of
- * bfloat16 on AVX2, else 1), each group's rows in tiles of up to TILE_ROWS. */
+ * panels): groups of 1-4 panels (panel_span) split over the threads, each group's rows in tiles of up to
+ * TILE_ROWS. */
 static inline __attribute__((always_inline)) void over_panels(const float *x, const uint16_t *xb, const void *w,
                                                               float *y, int64_t rows, int64_t in, int64_t out,
                                                               int layout, int threads) {
-    /* Without AVX-512, 2 bfloat16 panels by 3 rows need 12 accumulators, 4 widened weight halves and a
-     * broadcast: more than the 16 registers, so that tile spilled; 3 such rows take one panel at a time.
-     * benchmarks/linears.c mode 1 (AMD EPYC Zen 3, three runs alternating): 3 rows 11.1-11.4 -> 7.9-9.0
-     * ms, 1.31-1.58x -> 1.06-1.13x of one row. 2 rows too: benchmarks/step.py (the default model in
-     * bfloat16, 78-token context, two runs each) 12.4-12.7 -> 9.6-10.4 ms of linears against 10.0 for one
-     * row; linears.c 9.6-10.4 -> 8.9-9.3 ms. Float32 weights are FMA memory operands and keep 2 panels for
-     * up to 3 rows (1 panel: 2 / 3 rows 18.8 / 19.6-21.4 ms against 16.9-19.6 / 14.6-19.8 in step.py). */
-    int64_t paired = TILE_ROWS == 6 && layout != PANELS_F32 ? 1 : 3; /* the most rows 2 panels take */
-    int64_t panels = (out + PANEL - 1) / PANEL, span = rows == 1 ? 4 : rows <= paired ? 2 : 1;
+    int64_t panels = (out + PANEL - 1) / PANEL, span = panel_span(rows, layout);
     int codes = layout == PANELS_CODES4 || layout == PANELS_PAIR_CODES4   ? 4
                 : layout == PANELS_CODES8 || layout == PANELS_PAIR_CODES8 ? 8
                                                                           : 0;
