@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 from selfspec.kernels import native
 from selfspec.kernels.choice import plan
+from selfspec.kernels.native_dot import NativeInt4Dot, NativeInt8Dot
+from selfspec.kernels.native_int2 import NativeInt2Dot
+from selfspec.kernels.native_shared import SharedCodes
 from selfspec.model.config import ModelConfig
 from selfspec.model.decoder import build_model
 from selfspec.model.ops import Eager, Fused
@@ -296,3 +299,18 @@ def test_the_shortlist_rescores_exactly_the_k_highest():
             assert torch.allclose(scores[r, order], exact[r, order], rtol=TOLERANCE[dtype], atol=1e-5), (n, r)
             assert torch.equal(scores[r, order].to(dtype).float(), scores[r, order])  # bfloat16 values there
             assert torch.equal(scores[r, rest].nan_to_num(), coarse[r, rest].nan_to_num()), (n, r)
+
+
+def test_a_build_without_a_backends_kernel_names_what_it_lacks(monkeypatch):
+    lib = native.library()
+    for backend, flag, said in (
+        (NativeInt4Dot, "dot_i8", "need AVX2"),
+        (NativeInt8Dot, "dot_i8", "need AVX2"),
+        (NativeInt2Dot, "q2", "AVX-512 BW"),
+        (SharedCodes, "shared_codes", "AVX512-VBMI"),
+    ):
+        monkeypatch.setattr(lib, flag, False)
+        assert said in backend.unavailable(torch.float32), backend.name
+        monkeypatch.setattr(lib, flag, True)
+        assert backend.unavailable(torch.float32) is None, backend.name
+        assert "CPU code" in backend.unavailable(torch.float32, "cuda")  # the device is checked first

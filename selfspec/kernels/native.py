@@ -290,6 +290,8 @@ class NativeLinear(Linear):
     row_exact = True  # by construction, see native.c
     multiple = 16
     kind: str  # native.c's LINEAR_* for this backend's kernel (KINDS)
+    needs: str | None = None  # the Native flag saying this build holds the backend's kernel (None: every build)
+    lacking = ""  # why it is unavailable where the build lacks that kernel
 
     def __init__(
         self, out_features: int, in_features: int, bias: torch.Tensor | None, dtype: torch.dtype, device
@@ -354,4 +356,7 @@ class NativeLinear(Linear):
             return "native.c is CPU code"
         if dtype not in DTYPES:
             return f"{cls.name} takes float32 or bfloat16 activations, not {dtype}"
-        return unavailable()
+        why = unavailable()
+        if why is None and cls.needs is not None and not getattr(library(), cls.needs):
+            return cls.lacking
+        return why

@@ -13,17 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from . import native
 from .native_float import PANEL, padded
 from .native_int4 import NativeInt4
 from .native_int8 import NativeInt8
 
-
-def _missing() -> str | None:
-    lib = native.library()
-    if lib is not None and not lib.dot_i8:
-        return "native.c's int8 dot products need AVX2, which this build lacks"
-    return None
+DOT_I8 = "native.c's int8 dot products need AVX2, which this build lacks"
 
 
 class NativeInt4Dot(NativeInt4):
@@ -32,6 +26,7 @@ class NativeInt4Dot(NativeInt4):
 
     name = "native4i8"
     kind = "q4_i8"
+    needs, lacking = "dot_i8", DOT_I8
 
     def __init__(
         self, weight: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype, *, _codes=None
@@ -39,10 +34,6 @@ class NativeInt4Dot(NativeInt4):
         super().__init__(weight, bias, dtype, _codes=_codes)
         self.panels = pack(self.codes, self.scale, self.offset)
         del self.codes, self.scale, self.offset  # the panels hold them
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        return super().unavailable(dtype, device) or _missing()
 
     @property
     def nbytes(self) -> int:
@@ -80,16 +71,13 @@ class NativeInt8Dot(NativeInt8):
     name = "native8i8"
     kind = "q8_i8"
     multiple = 32
+    needs, lacking = "dot_i8", DOT_I8
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(weight, bias, dtype)
         self.panels = pack8(self.codes)
         self.scales = padded(self.scales)  # [16 * panels]
         del self.codes
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        return super().unavailable(dtype, device) or _missing()
 
     @property
     def nbytes(self) -> int:

@@ -49,18 +49,12 @@ class NativeInt2Dot(native.NativeLinear):
     name = "native2i8"
     kind = "q2_i8"
     multiple = GROUP
+    needs, lacking = "q2", "native.c's 2-bit kernel needs AVX-512 BW, AVX2 and F16C, which this build lacks"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__(weight.shape[0], weight.shape[1], bias, dtype, weight.device)
         codes, self.scale, self.offset = quantize(weight)
         self.panels = pack(codes, self.scale, self.offset)
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        why = super().unavailable(dtype, device)
-        if why is None and not native.library().q2:
-            return "native.c's 2-bit kernel needs AVX-512 BW, AVX2 and F16C, which this build lacks"
-        return why
 
     @property
     def nbytes(self) -> int:

@@ -24,18 +24,13 @@ class SharedCodes(native.NativeLinear):
     name = "shared4i8"
     multiple = 32
     mirrors = NativeInt4Dot.name  # the backend whose products it computes: drafts share only where it was chosen
+    needs = "shared_codes"
+    lacking = "reading the target's codes with int8 activations needs AVX512-VBMI and AVX512BW (not built here)"
 
     def __init__(self, target: native.NativeLinear, dtype: torch.dtype) -> None:
         super().__init__(target.out_features, target.in_features, None, dtype, target.device)
         self.kind = LAYOUTS[target.layout]
         self.panels = target.panels  # the target's tensor, not a copy
-
-    @classmethod
-    def unavailable(cls, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
-        why = super().unavailable(dtype, device)
-        if why is None and not native.library().shared_codes:
-            return "reading the target's codes with int8 activations needs AVX512-VBMI and AVX512BW (not built here)"
-        return why
 
     @classmethod
     def of(cls, target: Linear, dtype: torch.dtype) -> SharedCodes | None:
