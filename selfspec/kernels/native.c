@@ -3025,6 +3025,16 @@ static void top_k(const float *x, int64_t n, int64_t k, float *best, int64_t *at
         if (x[i] != x[i]) at[held++] = i;
 }
 
+/* The shortlisted rows are scattered over the float head (56 MB in bf16): each was a wait on memory, so
+ * the rows RESCORE_AHEAD places ahead are fetched while one is rescored. After an 80 MB stream, as in a
+ * draft step (an ad-hoc ctypes loop, AMD EPYC Zen 4, two runs, medians): bf16 k = 128 160 -> 147 and
+ * 130 -> 108 us, fp32 k = 32 47 -> 43 and 58 -> 56 us; 3 to 24 rows ahead did alike. */
+#define RESCORE_AHEAD 6
+static inline void prefetch_row(const void *weight, int64_t row, int64_t in, int bf) {
+    const char *p = (const char *)weight + row * in * (bf ? 2 : 4);
+    for (int64_t b = 0; b < in * (bf ? 2 : 4); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 void shortlist(float *scores, int64_t rows, int64_t n, int64_t k, const float *x, int64_t in, const void *weight,
                int bf) {
     int64_t *at = malloc(sizeof(int64_t) * (size_t)k + sizeof(float) * (size_t)(k + 2 + n / BLOCK));
@@ -3032,7 +3042,9 @@ void shortlist(float *scores, int64_t rows, int64_t n, int64_t k, const float *x
     for (int64_t r = 0; r < rows; r++) {
         top_k(scores + r * n, n, k, best, at, block);
         const float *xr = x + r * in;
+        for (int64_t j = 0; j < k && j < RESCORE_AHEAD; j++) prefetch_row(weight, at[j], in, bf);
         for (int64_t j = 0; j < k; j++) {
+            if (j + RESCORE_AHEAD < k) prefetch_row(weight, at[j + RESCORE_AHEAD], in, bf);
             int64_t o = at[j] * in, i = 0;
             v8 acc = {0};
             for (; i + LANES <= in; i += LANES) acc = fma8(acc, load8(xr + i), get8(weight, o + i, bf));
