@@ -115,6 +115,24 @@ def test_the_shipped_profile_of_this_machine_is_chosen(tmp_path, monkeypatch):
     assert SpecPolicy(here, backend="codes").foreign is None
 
 
+def test_the_shipped_profile_of_the_models_weight_format_is_chosen(tmp_path, monkeypatch):
+    """An int4 model's steps and verification cost what its own kernels do: a profile of this machine's
+    float weights is not its profile, nor is an int4 one a float model's."""
+    monkeypatch.setattr(profile_module, "PROFILE_DIR", tmp_path)
+    floats = synthetic_profile(machine=dict(machine_key(), backend="codes"))
+    floats.save(tmp_path / "abc-float32-here.json")
+    elsewhere = synthetic_profile(machine=dict(machine_key(), cpu="Another CPU", backend="native4i8", weights="int4"))
+    elsewhere.save(tmp_path / "abc-float32-int4-elsewhere.json")
+    assert shipped_profile("abc", "float32", "codes") == floats  # no weights key: float weights
+    assert shipped_profile("abc", "float32", "native4i8", "int4") == elsewhere  # another CPU, its format
+    here = synthetic_profile(machine=dict(machine_key(), backend="native4i8", weights="int4"), knee=12)
+    here.save(tmp_path / "abc-float32-int4-here.json")
+    assert shipped_profile("abc", "float32", "native4i8", "int4") == here
+    assert SpecPolicy(here, backend="native4i8").foreign is None
+    assert shipped_profile("abc", "float32", "codes") == floats
+    assert "backend 'codes' here 'native4i8'" in SpecPolicy(floats, backend="native4i8").foreign
+
+
 def test_a_profile_from_another_machine_is_not_trusted_silently():
     profile = synthetic_profile()
     profile.machine = dict(profile.machine, cpu="Some Other CPU")

@@ -61,15 +61,36 @@ def test_active_kernels_are_row_exact(default_engine, int4_engine):
         assert engine.model.ops.name == ("eager" if native.library() is None else "fused")
 
 
+INT4_CONFIGS = [
+    SpecConfig(15, 3),
+    SpecConfig(None, 4, "lookup"),
+    SpecConfig(None, 2, "hybrid"),
+    SpecConfig(None, 2, "int4"),
+]
+
+
 def test_int4_greedy_equals_plain_on_dev_prompts(int4_engine):
-    """The 4-bit target: speculation over int4 linears equals plain decoding with them."""
+    """The 4-bit target: speculation over int4 linears equals plain decoding with them, for an exit, the
+    lookup, the hybrid and the int4 draft (which reads the target's own linears), one prompt each."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    for prompt in PROMPTS[:4]:
+    for prompt, config in zip(PROMPTS[:4], INT4_CONFIGS):
         plain = int4_engine.generate(prompt, params, speculation=None)
-        result = int4_engine.generate(prompt, params, speculation=SpecConfig(15, 3))
+        result = int4_engine.generate(prompt, params, speculation=config)
         assert result.stats.weights == "int4" and result.stats.spec.rounds > 0
         assert result.stats.ops == int4_engine.model.ops.name
-        assert result.token_ids == plain.token_ids, f"diverged on {prompt[:60]!r}"
+        assert result.token_ids == plain.token_ids, f"{config.drafter} diverged on {prompt[:60]!r}"
+
+
+def test_an_int4_targets_draft_reads_its_layers_and_it_has_its_own_profile(int4_engine):
+    """`--weights int4`: the int4 draft is the target's own layers under the shortlisted head (no second
+    66 MB copy), and the policy takes the shipped profile measured with int4 weights, not a float one."""
+    target = int4_engine.model
+    drafter = int4_engine.drafter(SpecConfig(None, 2, "int4"))
+    for mine, theirs in zip(drafter.draft.layers, target.layers):
+        assert all(a is b for a, b in zip(mine.linears(), theirs.linears()))
+    assert drafter.memory_bytes == drafter.draft.head.coarse.nbytes
+    profile = int4_engine.policy.profile
+    assert profile is not None and profile.machine.get("weights") == "int4", profile and profile.machine
 
 
 @torch.inference_mode()

@@ -23,7 +23,7 @@ import torch
 
 from ..decoding.hybrid import FALLBACK
 from ..decoding.lookup import match
-from ..decoding.profile import BucketChoice, Profile, length_bucket
+from ..decoding.profile import BucketChoice, Profile, length_bucket, weight_format
 from ..decoding.quantized import QuantizedDrafter
 from ..decoding.round import RoundInput, SpecConfig
 from ..decoding.sampling import SamplingParams, argmax, make_generator
@@ -718,7 +718,11 @@ def _profile(engine, plan, costs, records, estimates, validation):
         fingerprint=engine.model.fingerprint,
         num_layers=engine.model.num_layers,
         dtype=str(engine.model.dtype).replace("torch.", ""),
-        machine={**machine_info(), "backend": engine.model.kernels.backend},
+        machine={
+            **machine_info(),
+            "backend": engine.model.kernels.backend,
+            "weights": weight_format(engine.model.kernels.weights),
+        },
         temperatures=list(plan.temperatures),
         draft_layers=list(plan.draft_layers),
         draft_cost=costs["c"],

@@ -135,17 +135,32 @@ def shipped_profiles(fingerprint: str, dtype: str) -> list[Path]:
     return sorted(PROFILE_DIR.glob(f"{fingerprint}-{dtype}-*.json"))
 
 
-def shipped_profile(fingerprint: str, dtype: str, backend: str | None = None) -> "Profile | None":
-    """This machine's profile among the shipped ones, else the closest: one timed on this machine's vector
-    units (torch's capability: AVX2, AVX512, ...) first, then the one that differs in the fewest respects
-    (the policy then says what differs, and trusts only its lookup buckets). By count alone, a Zen 3
-    VM with AVX2 took the profile of a Zen 4 with AVX-512, both "AMD EPYC" differing in flags."""
+def weight_format(weights: str) -> str:
+    """A model's weight format as profiles name it: `float` (the dtype's own: float32, bfloat16) or a
+    quantized one (int4, int8), whose steps, verification and drafts cost something else."""
+    return weights if weights in ("int4", "int8") else "float"
+
+
+def weights_of(machine: dict) -> str:
+    """The weight format a profile was measured with (weight_format; profiles from before they named it
+    were all of float weights)."""
+    return machine.get("weights", "float")
+
+
+def shipped_profile(
+    fingerprint: str, dtype: str, backend: str | None = None, weights: str = "float"
+) -> "Profile | None":
+    """This machine's profile among the shipped ones, else the closest: one of the model's weight format
+    (`weights`: float, int4, int8) first, then one timed on this machine's vector units (torch's
+    capability: AVX2, AVX512, ...), then the one that differs in the fewest respects (the policy then
+    says what differs, and trusts only its lookup buckets). By count alone, a Zen 3 VM with AVX2 took the
+    profile of a Zen 4 with AVX-512, both "AMD EPYC" differing in flags."""
 
     units = machine_key()["capability"]
 
-    def distance(p: Profile) -> tuple[bool, int]:
+    def distance(p: Profile) -> tuple[bool, bool, int]:
         other_units = p.machine.get("capability", units) != units
-        return other_units, len(machine_differences(p.machine, backend))
+        return weights_of(p.machine) != weights, other_units, len(machine_differences(p.machine, backend))
 
     found = [Profile.load(p) for p in shipped_profiles(fingerprint, dtype)]
     return min(found, key=distance, default=None)
@@ -161,7 +176,8 @@ def find_profile(model, profile: "Profile | str | bool | None") -> "Profile | No
     elif profile is not None:
         found = Profile.load(profile)
     else:
-        found = shipped_profile(model.fingerprint, str(model.dtype).replace("torch.", ""), model.kernels.backend)
+        dtype = str(model.dtype).replace("torch.", "")
+        found = shipped_profile(model.fingerprint, dtype, model.kernels.backend, weight_format(model.kernels.weights))
     if found is not None and found.fingerprint != model.fingerprint:
         raise SelfspecError(
             f"profile for model {found.model!r} (fingerprint {found.fingerprint}) does not match this model "

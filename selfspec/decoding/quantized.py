@@ -48,8 +48,9 @@ class QuantizedDrafter(Drafter):
 
     @property
     def memory_bytes(self) -> int:
-        """What the draft copy adds: its linears (the LM head included when it is tied)."""
-        return sum(lin.nbytes for lin in self.draft.linears())
+        """What the draft copy adds: its linears (the LM head included when it is tied), less those it
+        reads from its target."""
+        return sum(lin.nbytes for lin in self.draft.linears() if id(lin) not in self.draft.borrowed)
 
     def propose(self, model: DecoderModel, cache: PagedKVCache, step: RoundInput) -> Draft:
         n, draft = self.draft_layers, self.draft
@@ -213,13 +214,17 @@ def share_embeddings(draft: DecoderModel, target: DecoderModel) -> DecoderModel:
 def shared_codes(target: DecoderModel) -> Callable[[int, str, str], Linear | None]:
     """For loading an int4 draft (build_model's `given`): layer i's linear `name` as a view of the target's
     own 4-bit code panels where the target keeps that weight as codes and the draft's timed backend is
-    the int8-activation kernel the view computes like (kernels/native_shared.py), else None (the draft
-    packs its own). The codes are the same weights (the target's are checked bit for bit at load), so
+    the int8-activation kernel the view computes like (kernels/native_shared.py), the target's linear
+    itself where it already runs on the draft's backend (an int4 target), else None (the draft packs its
+    own). The codes are the same weights (the target's are checked bit for bit at load), so
     the draft drafts what its copy would, and the copy (~66 MB for the default model) is never made."""
 
     def given(i: int, name: str, backend: str) -> Linear | None:
+        lin = getattr(target.layers[i], name)
+        if lin.name == backend:  # an int4 target (--weights int4): the draft's layers are its own
+            return lin
         if backend != SharedCodes.mirrors:
             return None
-        return SharedCodes.of(getattr(target.layers[i], name), target.dtype)
+        return SharedCodes.of(lin, target.dtype)
 
     return given

@@ -66,6 +66,7 @@ class DecoderModel:
         self.dtype = embed.dtype  # the activations' dtype
         self.device = embed.device  # where every weight, the cache and each forward's tensors live
         self.kernels = kernels  # the weight format and backend of every linear
+        self.borrowed: set[int] = set()  # ids of the linears another model owns (a draft's of its target)
         self.head = head if head is not None else self.make_linear(head_weight)  # given, or of the model's format
         self.rope = RopeTable(config.rope, config.head_dim, self.dtype, self.device)
         self.ops, note = make_ops(config, self.rope, self.dtype, self.device)  # the glue between the linears
@@ -301,6 +302,7 @@ def build_model(
     mine = [lin for layer in layers for lin in layer.linears() if id(lin) not in shared]
     pages.place([*mine, getattr(head, "coarse", head)])
     model = DecoderModel(config, embed, layers, need("model.norm.weight"), head_weight, kernels, head)
+    model.borrowed = shared
     if errors:
         worst = max(errors, key=errors.get)
         kernels.reasons.append(
