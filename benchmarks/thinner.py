@@ -1,0 +1,160 @@
+"""Would a draft that reads fewer bytes than the 4-bit codes pay? A draft token streams the same 66 MB of
+codes as a step of the default model, so it costs about what a step's memory traffic does; a draft that
+reads less must keep the int4 draft's top-1 agreement with the target. Two ways, teacher-forced on the
+target's own greedy answers to dev prompts (as benchmarks/layerskip.py):
+
+- **MLP activation sparsity** in the int4 draft: per token, only the largest (1 - s) of the 1536 MLP
+  activations are kept. `gate` ranks them by |silu(gate)| (CATS: the up rows and down columns of the
+  rest would not be read, 2/3 of the MLP's bytes at s); `act` ranks by |silu(gate) * up| (up computed
+  whole, only down's columns skipped: 1/4 of a layer's bytes at s).
+- **Fewer bits**: the float32 target's weights re-quantized to 3 or 2 bits (asymmetric, min/max, groups
+  of 16 or 32), all linears or the MLP's alone, with the target's own LM head.
+
+    python benchmarks/thinner.py [--prompts 24] [--new-tokens 40] [--max-prompt 400] [--threads 2]
+                                 [--out benchmarks/results/thinner]
+
+Writes {out}.json/.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layerskip import agreement, answers  # noqa: E402
+from machine import describe, markdown  # noqa: E402
+
+from selfspec import Engine  # noqa: E402
+from selfspec.data import DEV_SET  # noqa: E402
+from selfspec.kernels import Dense  # noqa: E402
+
+SPARSITY = (0.3, 0.5, 0.6, 0.7, 0.8)
+ALL = ("qkv", "o", "gate_up", "down")
+BITS = [(3, 32, ALL), (3, 16, ALL), (3, 32, ("gate_up", "down")), (3, 32, ("gate_up",)), (2, 16, ALL)]
+
+
+def sparse_silu_mul(s: float, by: str):
+    """ops.silu_mul keeping, per token, the (1 - s) largest activations ranked `by` gate or act."""
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        g = F.silu(gate)
+        a = g * up
+        score = g.abs() if by == "gate" else a.abs()
+        kept = score.topk(max(1, round((1 - s) * score.shape[-1])), dim=-1).values[..., -1:]
+        return a * (score >= kept)
+
+    return silu_mul
+
+
+def requantized(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """w [out, in] through `bits`-bit asymmetric codes per group of `group` inputs (min/max)."""
+    g = w.reshape(w.shape[0], -1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    d = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
+    return (((g - lo) / d).round().clamp(0, 2**bits - 1) * d + lo).reshape(w.shape)
+
+
+def float_agreement(engine: Engine, seqs: list, layers: list) -> float:
+    """The top-1 agreement of `engine`'s model (its linears replaced) with the answers, as layerskip's."""
+    m, cache = engine.model, engine.cache
+    hits = total = 0
+    for ids, answer in seqs:
+        full = ids + answer
+        seq = cache.allocate()
+        batch = cache.prepare([seq], [len(full)])
+        h, y = F.embedding(torch.tensor([full]), m.embed_weight), None
+        state = m.ops.prepare(batch)
+        for i in layers:
+            h, y = m._layer(i, h, y, batch, state, cache.layers[i])
+        cache.free(seq)
+        predicted = m.logits((h + y)[0, len(ids) - 1 : -1]).argmax(-1)
+        hits += int((predicted == torch.tensor(answer)).sum())
+        total += len(answer)
+    return hits / total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--max-prompt", type=int, default=400)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "thinner"))
+    args = ap.parse_args()
+    engine = Engine.from_pretrained(dtype="float32", num_threads=args.threads, profile=False)
+    questions = [json.loads(line) for line in DEV_SET.read_text().splitlines() if line.strip()]
+    prompts = [q["turns"][0] for q in questions][::10][: args.prompts]
+    start = time.perf_counter()
+    layers = list(range(engine.model.num_layers))
+    with torch.inference_mode():
+        seqs = answers(engine, prompts, args.new_tokens, args.max_prompt)
+        positions = sum(len(a) for _, a in seqs)
+        draft = engine.draft_model("int4")
+        own = draft.ops.silu_mul
+        full = agreement(engine, seqs, layers)
+        print(f"{len(seqs)} prompts, {positions} positions; the int4 draft: {full:.4f}", flush=True)
+        sparse = {}
+        for by in ("gate", "act"):
+            for s in SPARSITY:
+                draft.ops.silu_mul = sparse_silu_mul(s, by)
+                sparse[f"{by} {s}"] = agreement(engine, seqs, layers)
+                print(f"sparse by {by} at {s}: {sparse[f'{by} {s}']:.4f}", flush=True)
+        draft.ops.silu_mul = own
+        # A second float32 engine whose linears are replaced: the first keeps the answers' target.
+        other = Engine.from_pretrained(dtype="float32", num_threads=args.threads, profile=False)
+        weights = {(i, n): getattr(lw, n).dequantized().float() for i, lw in enumerate(other.model.layers) for n in ALL}
+        fewer = {}
+        for bits, group, names in BITS:
+            for (i, n), w in weights.items():
+                setattr(
+                    other.model.layers[i],
+                    n,
+                    Dense(requantized(w, bits, group) if n in names else w, None, torch.float32),
+                )
+            key = f"{bits} bits, groups of {group}, {'all linears' if names == ALL else '+'.join(names)}"
+            fewer[key] = float_agreement(other, seqs, layers)
+            print(f"{key}: {fewer[key]:.4f}", flush=True)
+    machine = describe(args.threads)
+    result = {
+        "machine": machine,
+        "prompts": len(seqs),
+        "positions": positions,
+        "int4_draft": round(full, 4),
+        "sparse": {k: round(v, 4) for k, v in sparse.items()},
+        "fewer_bits": {k: round(v, 4) for k, v in fewer.items()},
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        f"Top-1 agreement with the float32 target's greedy answers, teacher-forced: {len(seqs)} dev prompts, "
+        f"{positions} positions. The int4 draft (the GGUF's own codes): {full:.4f}.",
+        "",
+        "| int4 draft, MLP activations dropped | " + " | ".join(f"s = {s}" for s in SPARSITY) + " |",
+        "|---|" + "---|" * len(SPARSITY),
+        *(
+            f"| ranked by {'|silu(gate)|' if by == 'gate' else '|silu(gate) * up|'} | "
+            + " | ".join(f"{sparse[f'{by} {s}']:.4f}" for s in SPARSITY)
+            + " |"
+            for by in ("gate", "act")
+        ),
+        "",
+        "| float32 target re-quantized | agreement |",
+        "|---|---|",
+        *(f"| {k} | {v:.4f} |" for k, v in fewer.items()),
+    ]
+    out.with_suffix(".md").write_text(markdown(machine) + "\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
