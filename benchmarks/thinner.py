@@ -4,8 +4,8 @@ reads less must keep the int4 draft's top-1 agreement with the target. Two ways,
 target's own greedy answers to dev prompts (as benchmarks/layerskip.py):
 
 - **MLP activation sparsity** in the int4 draft: per token, only the largest (1 - s) of the 1536 MLP
-  activations are kept. `gate` ranks them by |silu(gate)| (CATS: the up rows and down columns of the
-  rest would not be read, 2/3 of the MLP's bytes at s); `act` ranks by |silu(gate) * up| (up computed
+  activations are kept. `gate` ranks them by abs(silu(gate)) (CATS: the up rows and down columns of the
+  rest would not be read, 2/3 of the MLP's bytes at s); `act` ranks by abs(silu(gate) * up) (up computed
   whole, only down's columns skipped: 1/4 of a layer's bytes at s).
 - **Fewer bits**: the float32 target's weights re-quantized to 3 or 2 bits (asymmetric, min/max, groups
   of 16 or 32), all linears or the MLP's alone, with the target's own LM head.
@@ -143,7 +143,7 @@ def main() -> None:
         "| int4 draft, MLP activations dropped | " + " | ".join(f"s = {s}" for s in SPARSITY) + " |",
         "|---|" + "---|" * len(SPARSITY),
         *(
-            f"| ranked by {'|silu(gate)|' if by == 'gate' else '|silu(gate) * up|'} | "
+            f"| ranked by {'abs(silu(gate))' if by == 'gate' else 'abs(silu(gate) * up)'} | "
             + " | ".join(f"{sparse[f'{by} {s}']:.4f}" for s in SPARSITY)
             + " |"
             for by in ("gate", "act")
