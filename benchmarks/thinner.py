@@ -5,8 +5,9 @@ target's own greedy answers to dev prompts (as benchmarks/layerskip.py):
 
 - **MLP activation sparsity** in the int4 draft: per token, only the largest (1 - s) of the 1536 MLP
   activations are kept. `gate` ranks them by abs(silu(gate)) (CATS: the up rows and down columns of the
-  rest would not be read, 2/3 of the MLP's bytes at s); `act` ranks by abs(silu(gate) * up) (up computed
-  whole, only down's columns skipped: 1/4 of a layer's bytes at s).
+  rest would not be read: a fraction s of up and down, which hold half of a layer's bytes); `act` ranks
+  by abs(silu(gate) * up) (up computed whole, only down's columns skipped: a fraction s of a quarter of
+  a layer's bytes).
 - **Fewer bits**: the float32 target's weights re-quantized to 3 or 2 bits (asymmetric, min/max, groups
   of 16 or 32), all linears or the MLP's alone, with the target's own LM head.
 
