@@ -44,11 +44,13 @@ class Fixed(Drafter):
 
 
 def test_hybrid_looks_up_only_whole_ngrams():
-    """Lookup alone backs off to a one-token match; the hybrid drafts with its model drafter there, and
-    by lookup only where the last `ngram` tokens recur."""
+    """Lookup alone backs off to a two-token match by default (lookup.SHORTEST), to one where asked; the
+    hybrid drafts with its model drafter there, and by lookup only where the last `ngram` tokens recur."""
     history = [[1, 2, 3, 1, 2, 3], [5, 6, 7, 6]]  # row 0: "1 2 3" recurs; row 1: only "6" does
     step = RoundInput([None, None], [3, 6], [GREEDY] * 2, [None] * 2, [2, 2], None, history=history)
-    assert LookupDrafter(3).propose(None, None, step).tokens == [[1, 2], [7, 6]]
+    assert LookupDrafter(3, shortest=1).propose(None, None, step).tokens == [[1, 2], [7, 6]]
+    assert LookupDrafter(3).propose(None, None, step).tokens == [[1, 2], []]
+    assert LookupDrafter(1).shortest == 1  # an n-gram of 1 backs off to nothing shorter
     assert HybridDrafter(3, Fixed()).propose(None, None, step).tokens == [[1, 2], [99, 99]]
     assert HybridDrafter(3, None).propose(None, None, step).tokens == [[1, 2], []]  # no fallback: a plain step
 
@@ -417,6 +419,9 @@ def test_lookup_acceptance_replays_what_lookup_would_draft():
     p = torch.nn.functional.one_hot(torch.tensor(cont), 10).float()
     assert lookup_acceptance(prompt, cont, p, gamma=3, ngram=3) == [[1.0, 1.0, 0.0], [1.0, 0.0], [0.0]]
     assert lookup_acceptance([5, 6], [7], torch.ones(1, 10), gamma=3, ngram=3) == [[]]  # nothing recurs
+    # The lookup drafter's own shortest suffix (2): "6" alone recurs, which it does not draft from.
+    assert lookup_acceptance([6, 8, 6], [8], p[:1], gamma=1, ngram=3) == [[]]
+    assert lookup_acceptance([6, 8, 6], [8], torch.ones(1, 10), gamma=1, ngram=3, shortest=1) == [[1.0]]
     # The hybrid's replay: a whole trigram must recur ("4 1 2" does not; "1 2 3" and "2 3 4" do).
     assert lookup_acceptance(prompt, cont, p, gamma=3, ngram=3, shortest=3) == [[], [1.0, 0.0], [0.0]]
 

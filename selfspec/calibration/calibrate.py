@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..decoding.hybrid import FALLBACK
-from ..decoding.lookup import match
+from ..decoding.lookup import SHORTEST, match
 from ..decoding.profile import BucketChoice, Profile, length_bucket, weight_format
 from ..decoding.quantized import QuantizedDrafter
 from ..decoding.round import RoundInput, SpecConfig
@@ -111,13 +111,14 @@ def teacher_forced_acceptance(
 
 
 def lookup_acceptance(
-    prompt: list[int], continuation: list[int], p: torch.Tensor, gamma: int, ngram: int, shortest: int = 1
+    prompt: list[int], continuation: list[int], p: torch.Tensor, gamma: int, ngram: int, shortest: int | None = None
 ) -> list[list[float]]:
     """Per start position s of the continuation: the acceptance probability of each token lookup would
     draft there (its context: prompt + continuation[:s]; suffixes of `ngram` .. `shortest` tokens).
     p [len(continuation), vocab] is the target's teacher-forced distribution; a draft past the first
     one that differs from the continuation has an unmeasured context, so it counts as rejected
-    (conservative)."""
+    (conservative). `shortest`: the lookup drafter's own where None."""
+    shortest = min(SHORTEST, ngram) if shortest is None else shortest
     out = []
     for s in range(len(continuation)):
         run = match(prompt + continuation[:s], ngram, min(gamma, len(continuation) - s), shortest)

@@ -107,8 +107,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         "--ngram",
         type=positive_int,
         metavar="N",
-        help="lookup: longest suffix matched, backing off to 1 token; hybrid: the suffix that must recur "
-        "for lookup to draft (default 3)",
+        help="lookup: longest suffix matched, backing off to 2 tokens (1 with --ngram 1); hybrid: the suffix "
+        "that must recur for lookup to draft (default 3)",
     )
     g.add_argument("--no-speculate", action="store_true", help="plain decoding, whatever else is set")
     g.add_argument("--profile", help="calibration profile JSON (default: the shipped one for this model, if any)")

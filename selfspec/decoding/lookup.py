@@ -1,7 +1,7 @@
 """Context lookup (prompt lookup / n-gram drafting): the draft is the continuation of the most recent
 earlier occurrence of the row's last n tokens in its own prompt and output, tried from n = `ngram`
-down to `shortest` (default 1; the hybrid takes whole n-grams only). Free to draft (no forward pass),
-right often where the answer copies its context (RAG, summarization, code edits).
+down to `shortest` (default SHORTEST; the hybrid takes whole n-grams only). Free to draft (no forward
+pass), right often where the answer copies its context (RAG, summarization, code edits).
 
 A lookup draft is a point mass: q = onehot(d). The acceptance rule then keeps d with probability
 p(d) and recovers from normalize(max(0, p - onehot(d))) — which the round builds for every draft
@@ -21,10 +21,18 @@ if TYPE_CHECKING:
     from .round import RoundInput
 
 
+# The shortest suffix lookup drafts from. On the int4 target's greedy answers to 52 dev prompts (5679
+# positions), a 1-token match drafted a right first token 22 % of the time, a 2-token one 53 %, a 3-token
+# one 74 %; timed at γ 2 (3 prompts a category, 3 alternations, decoding), backing off to 2 tokens beat
+# backing off to 1 in 11 of 13 categories: 1.19x against 1.12x plain on average (whole trigrams: 1.08x).
+SHORTEST = 2
+
+
 class LookupDrafter(Drafter):
     name = "lookup"
 
-    def __init__(self, ngram: int = 3, shortest: int = 1) -> None:
+    def __init__(self, ngram: int = 3, shortest: int | None = None) -> None:
+        shortest = min(SHORTEST, ngram) if shortest is None else shortest
         if not 1 <= shortest <= ngram:
             raise ValueError(f"shortest={shortest} is invalid: use 1 .. ngram ({ngram})")
         self.ngram, self.shortest = ngram, shortest

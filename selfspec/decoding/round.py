@@ -35,7 +35,8 @@ MAX_NGRAM = 8
 class SpecConfig:
     """Draft through `drafter` (with its first `draft_layers` layers where it runs layers; None: all of
     them for int4/int8, unused by lookup); propose up to `num_speculative_tokens` (γ) per round; lookup
-    matches the last `ngram` .. 1 tokens, the hybrid's lookup the last `ngram` only."""
+    matches the last `ngram` .. min(2, ngram) tokens (lookup.SHORTEST), the hybrid's lookup the last
+    `ngram` only."""
 
     draft_layers: int | None = None
     num_speculative_tokens: int = 4
