@@ -1,6 +1,6 @@
 """Serving throughput and latency vs concurrency, speculation off / on / policy, in one run.
 
-    python benchmarks/serving.py [--dtype float32] [--concurrency 1,2,4,8,16] [--max-tokens 64]
+    python benchmarks/serving.py [--dtype float32] [--weights auto] [--concurrency 1,2,4,8,16] [--max-tokens 64]
                                  [--requests-per-client 2] [--drafter int4 --gamma 4] [--temperature 0]
 
 Starts the server in-process on the default model, and for each mode and concurrency level runs that
@@ -146,6 +146,7 @@ def run_level(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", default="auto", help="the linears' weight format (auto, int4, int8, ...)")
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=2)
@@ -167,7 +168,7 @@ def main() -> None:
         faults.run({name: Path(path).resolve() for name, path in trees.items()}, args.threads, args.out)
         return
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained("default", dtype=args.dtype, kv_cache_tokens=32768)
+    engine = Engine.from_pretrained("default", dtype=args.dtype, weights=args.weights, kv_cache_tokens=32768)
     engine.preload()  # as `selfspec serve` does
     server, url, scheduler = start_server(engine, max_batch_size=16, loop_on_caller=True)
     prompts = [q["turns"][0] for q in dev_prompts(32) if len(q["turns"][0]) < 1500]
@@ -213,6 +214,7 @@ def main() -> None:
         "benchmark": "serving",
         "machine": describe(args.threads),
         "dtype": args.dtype,
+        "weights": engine.model.kernels.weights,
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests_per_client,
@@ -230,7 +232,7 @@ def main() -> None:
         "# Serving: throughput and latency vs concurrency",
         "",
         markdown(result["machine"]),
-        f"Default model, {args.dtype}, "
+        f"Default model, {args.dtype} activations, {engine.model.kernels.weights} weights, "
         + ("greedy" if args.temperature == 0 else f"T = {args.temperature:g} (seeded)")
         + f", {args.max_tokens} output tokens per request, "
         f"{args.requests_per_client} requests per client, streaming chat requests. Modes: `off` (no speculation), "
