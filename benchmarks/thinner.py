@@ -9,7 +9,7 @@ target's own greedy answers to dev prompts (as benchmarks/layerskip.py):
   by abs(silu(gate) * up) (up computed whole, only down's columns skipped: a fraction s of a quarter of
   a layer's bytes).
 - **Fewer bits**: the float32 target's weights re-quantized to 3 or 2 bits (asymmetric, min/max, groups
-  of 16 or 32), all linears or the MLP's alone, with the target's own LM head.
+  of 16 or 32: shortlist.py's `requantized`), all linears or the MLP's alone, with the target's own LM head.
 
     python benchmarks/thinner.py [--prompts 24] [--new-tokens 40] [--max-prompt 400] [--threads 2]
                                  [--out benchmarks/results/thinner]
@@ -33,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layerskip import agreement, answers  # noqa: E402
 from machine import describe, markdown  # noqa: E402
+from shortlist import requantized  # noqa: E402
 
 from selfspec import Engine  # noqa: E402
 from selfspec.data import DEV_SET  # noqa: E402
@@ -55,14 +56,6 @@ def sparse_silu_mul(s: float, by: str):
         return a * (score >= kept)
 
     return silu_mul
-
-
-def requantized(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """w [out, in] through `bits`-bit asymmetric codes per group of `group` inputs (min/max)."""
-    g = w.reshape(w.shape[0], -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    d = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
-    return (((g - lo) / d).round().clamp(0, 2**bits - 1) * d + lo).reshape(w.shape)
 
 
 def float_agreement(engine: Engine, seqs: list, layers: list) -> float:
