@@ -221,7 +221,7 @@ def shared_codes(target: DecoderModel) -> Callable[[int, str, str], Linear | Non
 
     def given(i: int, name: str, backend: str) -> Linear | None:
         lin = getattr(target.layers[i], name)
-        if lin.name == backend:  # an int4 target (--weights int4): the draft's layers are its own
+        if target.kernels.weights == "int4" and lin.name == backend:  # --weights int4: the target's own
             return lin
         if backend != SharedCodes.mirrors:
             return None
