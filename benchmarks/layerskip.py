@@ -44,9 +44,10 @@ def answers(engine: Engine, prompts: list[str], new_tokens: int, max_prompt: int
     return out
 
 
-def agreement(engine: Engine, seqs: list[tuple[list[int], list[int]]], layers: list[int]) -> float:
-    """The int4 draft's top-1 agreement with the answers, running only `layers` (in order)."""
-    draft, cache = engine.draft_model("int4"), engine.cache
+def agreement(engine: Engine, seqs: list[tuple[list[int], list[int]]], layers: list[int], model=None) -> float:
+    """The top-1 agreement with the answers of `model` (default: the engine's int4 draft) on the engine's
+    cache, running only `layers` (in order)."""
+    draft, cache = model or engine.draft_model("int4"), engine.cache
     hits = total = 0
     for ids, answer in seqs:
         full = ids + answer

@@ -58,25 +58,6 @@ def sparse_silu_mul(s: float, by: str):
     return silu_mul
 
 
-def float_agreement(engine: Engine, seqs: list, layers: list) -> float:
-    """The top-1 agreement of `engine`'s model (its linears replaced) with the answers, as layerskip's."""
-    m, cache = engine.model, engine.cache
-    hits = total = 0
-    for ids, answer in seqs:
-        full = ids + answer
-        seq = cache.allocate()
-        batch = cache.prepare([seq], [len(full)])
-        h, y = F.embedding(torch.tensor([full]), m.embed_weight), None
-        state = m.ops.prepare(batch)
-        for i in layers:
-            h, y = m._layer(i, h, y, batch, state, cache.layers[i])
-        cache.free(seq)
-        predicted = m.logits((h + y)[0, len(ids) - 1 : -1]).argmax(-1)
-        hits += int((predicted == torch.tensor(answer)).sum())
-        total += len(answer)
-    return hits / total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=24)
@@ -116,7 +97,7 @@ def main() -> None:
                     Dense(requantized(w, bits, group) if n in names else w, None, torch.float32),
                 )
             key = f"{bits} bits, groups of {group}, {'all linears' if names == ALL else '+'.join(names)}"
-            fewer[key] = float_agreement(other, seqs, layers)
+            fewer[key] = agreement(other, seqs, layers, other.model)
             print(f"{key}: {fewer[key]:.4f}", flush=True)
     machine = describe(args.threads)
     result = {
