@@ -155,6 +155,30 @@ def test_chunked_prefill_lets_running_streams_keep_their_pace(tiny_checkpoint):
     assert tokens_of(events["late"]) == expected
 
 
+def test_a_batch_the_policy_keeps_plain_plans_one_position_a_row(tiny_checkpoint):
+    """Rows that will not draft this round (a batch above the policy's max_batch_size) hold one position
+    of the prefill budget and the pool each, not γ + 1."""
+    engine = Engine.from_pretrained(str(tiny_checkpoint))
+    expected = engine.generate([7, 8, 9], greedy(12), speculation=None).token_ids
+    sched = Scheduler(engine, prefix_cache_fraction=0)
+    events = {}
+    streams = [Submission([7, 8, 9], greedy(12), collector(events, i), speculation=SpecConfig(2, 8)) for i in range(2)]
+    for s in streams:
+        sched.submit(s)
+    sched.iteration()  # prefilled
+    sched.iteration()  # their first tokens (plain)
+    engine.policy.max_batch_size = 2
+    assert [sched._plan()[id(s)] for s in streams] == [9, 9]  # the input and 8 drafts
+    engine.policy.max_batch_size = 1
+    assert [sched._plan()[id(s)] for s in streams] == [1, 1]
+    before = [len(tokens_of(events[i])) for i in range(2)]
+    sched.iteration()
+    assert [len(tokens_of(events[i])) - before[i] for i in range(2)] == [1, 1]  # plain steps, as planned
+    while sched.running:
+        sched.iteration()
+    assert [tokens_of(events[i]) for i in range(2)] == [expected, expected]
+
+
 def test_a_deep_prefix_hit_starts_with_one_block(tiny_checkpoint, monkeypatch):
     """Behind a cached prefix deeper than DEEP_PREFIX, the first chunk is one block (its tokens attend to
     the whole prefix); the output still equals an isolated run."""

@@ -238,17 +238,8 @@ class Engine:
             if not req.prefilled:
                 self.prefill(req)
         groups: dict[Drafter | None, list[tuple[int, int]]] = {}  # drafter -> [(request index, γ_b)]
-        drafting = [speculate and r.spec_config is not None and r.stats.steps > 0 and r.remaining > 1 for r in reqs]
-        cap = self.policy.batch_gamma(sum(drafting))  # None alone, or where calibration measured no batch
-        for i, req in enumerate(reqs):
-            config = req.spec_config
-            if drafting[i]:
-                gamma = min(config.num_speculative_tokens, req.remaining - 1)
-                if cap is not None and req.policy_gamma:
-                    gamma = min(gamma, cap)
-                groups.setdefault(self.drafter(config), []).append((i, gamma))
-            else:
-                groups.setdefault(None, []).append((i, 0))
+        for i, (req, gamma) in enumerate(zip(reqs, self.gammas(reqs, speculate=speculate))):
+            groups.setdefault(self.drafter(req.spec_config) if gamma else None, []).append((i, gamma))
         if None in groups and len(groups) > 1:  # plain rows join a speculating group's passes
             plain = groups.pop(None)
             groups[next(iter(groups))] += plain
@@ -262,6 +253,20 @@ class Engine:
             for i, out in zip((i for i, _ in rows), self._round(group, drafter, [g for _, g in rows])):
                 outputs[i] = out
         return outputs
+
+    def gammas(self, reqs: list[Request], *, speculate: bool = True) -> list[int]:
+        """Each request's γ in a step_batch round of `reqs` (0: a plain row: its first step, speculation
+        off, `speculate=False`, or one token left), capped by the policy's γ for a batch that size. The
+        scheduler plans each row's cache writes (γ + 1) from the same numbers."""
+        drafting = [speculate and r.spec_config is not None and r.stats.steps > 0 and r.remaining > 1 for r in reqs]
+        cap = self.policy.batch_gamma(sum(drafting))  # None alone, or where calibration measured no batch
+        gammas = []
+        for req, drafts in zip(reqs, drafting):
+            gamma = min(req.spec_config.num_speculative_tokens, req.remaining - 1) if drafts else 0
+            if cap is not None and req.policy_gamma:
+                gamma = min(gamma, cap)
+            gammas.append(gamma)
+        return gammas
 
     def _round(self, reqs: list[Request], drafter: Drafter | None, gammas: list[int]) -> list[StepOutput]:
         step = RoundInput(

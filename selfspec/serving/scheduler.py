@@ -229,10 +229,15 @@ class Scheduler:
 
     # ---- admission, planning and preemption -------------------------------------------------------
     def _plan(self) -> dict[int, int]:
-        """id(submission) -> positions it writes this iteration: a decoding request its input + γ
-        drafts; prefilling requests, oldest first, chunks of what the token budget leaves after the
-        decode rows (at least a block's worth, so prompts progress under any decode load)."""
-        plan = {id(s): self._lookahead(s) for s in self.running if s.req.prefilled}
+        """id(submission) -> positions it writes this iteration: a decoding request its input + the γ
+        drafts its round takes (Engine.gammas: none in a batch the policy keeps plain, whose rows would
+        otherwise hold γ + 1 of the prefill budget and of the pool each); prefilling requests, oldest
+        first, chunks of what the token budget leaves after the decode rows (at least a block's worth,
+        so prompts progress under any decode load)."""
+        decoding = [s for s in self.running if s.req.prefilled]
+        speculate = self.engine.policy.allows_batch(len(decoding))  # as _decode will ask
+        gammas = self.engine.gammas([s.req for s in decoding], speculate=speculate)
+        plan = {id(s): min(g + 1, s.req.max_length - s.req.kv.length) for s, g in zip(decoding, gammas)}
         idle = not plan  # nobody is streaming: larger chunks, no token budget
         budget = max(self.prefill_budget - sum(plan.values()), self.cache.block_size)
         for sub in self.running:
@@ -258,7 +263,8 @@ class Scheduler:
         return short <= 0
 
     def _lookahead(self, sub: Submission) -> int:
-        """Positions a decoding request may write in one round (its input + γ drafts), within its length."""
+        """Positions a decoding request may write in a round at most (its input + γ drafts), within its
+        length: what admission reserves, since a later, smaller batch may speculate."""
         config, req = sub.req.spec_config, sub.req
         return min((config.num_speculative_tokens if config else 0) + 1, req.max_length - req.kv.length)
 
