@@ -14,12 +14,17 @@ def one_hot(ids, vocab=8):
 
 
 def test_greedy_always_never_partial():
-    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
-    targets = torch.tensor([[5, 6, 7, 1], [2, 6, 7, 1], [5, 6, 3, 1]])
-    r = greedy_accept(drafts, targets)
-    assert r.num_accepted.tolist() == [3, 0, 2]
-    assert r.output_ids.tolist() == [[5, 6, 7, 1], [2, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER], [5, 6, 3, PLACEHOLDER]]
-    assert r.tokens(0) == [5, 6, 7, 1] and r.tokens(1) == [2] and r.tokens(2) == [5, 6, 3]
+    drafts = [[5, 6, 7], [5, 6, 7], [5, 6, 7]]
+    targets = [[5, 6, 7, 1], [2, 6, 7, 1], [5, 6, 3, 1]]
+    assert greedy_accept(drafts, targets) == ([[5, 6, 7, 1], [2], [5, 6, 3]], [3, 0, 2])
+
+
+def test_greedy_rows_accept_at_most_their_own_drafts():
+    """Rows of a batch padded to the longest draft: each judges only its own drafts, and the target at its
+    own γ_b is its bonus; a row with none is a plain step."""
+    drafts = [[5, 6], [], [5, 6, 7]]
+    targets = [[5, 6, 0, 1], [9, 0, 0, 1], [5, 6, 7, 1]]
+    assert greedy_accept(drafts, targets) == ([[5, 6, 0], [9], [5, 6, 7, 1]], [2, 0, 3])
 
 
 def test_sampled_always_accepts_when_p_equals_q():
@@ -101,8 +106,8 @@ def test_tiny_temperature_acceptance_is_greedy_acceptance():
     assert torch.isfinite(p).all() and torch.isfinite(q).all()
     drafts = draft.argmax(-1)
     sampled = rejection_sample(drafts, q, p, [torch.Generator().manual_seed(i) for i in range(64)])
-    greedy = greedy_accept(drafts, target.argmax(-1))
-    assert torch.equal(sampled.output_ids, greedy.output_ids) and 0 < greedy.num_accepted.sum() < 64 * 3
+    tokens, accepted = greedy_accept(drafts.tolist(), target.argmax(-1).tolist())
+    assert sampled.rows() == (tokens, accepted) and 0 < sum(accepted) < 64 * 3
 
 
 PROCESSED = [

@@ -34,6 +34,30 @@ def test_match_takes_the_longest_recurring_suffix_most_recent_first():
     assert match([4, 4, 4], 2, 5) == [4]  # an occurrence overlapping the suffix: only what follows it
     assert match([1, 2, 3, 9, 4, 2, 3], 3, 2, shortest=2) == [9, 4]  # "2 3" is long enough
     assert match([1, 2, 3, 9, 4, 2, 3], 3, 2, shortest=3) == []  # "4 2 3" never recurs: no backing off to 2
+    # the suffix's bytes recurring across a token boundary are no match (256 = bytes 00 01 00 00, 1 = 01 00 00 00)
+    assert match([1, 5, 256, 0, 1], 1, 1) == [5]  # not the 0 after "256 0"'s bytes 01 00 00 00
+    assert match([5, 9, 256, 0, 256, 7, 1, 0], 2, 2) == [256, 7]  # "1 0" never recurs; "0" does
+
+
+def test_match_equals_a_plain_search_of_every_suffix():
+    """On random histories of a few ids (many recurrences, overlaps, ids whose bytes repeat inside
+    others), the first tokens after the latest earlier occurrence of the longest recurring suffix."""
+
+    def reference(history: list[int], ngram: int, limit: int, shortest: int) -> list[int]:
+        for n in range(min(ngram, len(history) - 1), shortest - 1, -1):
+            suffix = history[-n:]
+            starts = [i for i in range(len(history) - n) if history[i : i + n] == suffix]
+            if starts:
+                return history[starts[-1] + n : starts[-1] + n + limit]
+        return []
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([0, 1, 256, 65536, 16777216, 49151])
+    for _ in range(400):
+        length = int(torch.randint(0, 40, (1,), generator=g))
+        history = ids[torch.randint(0, len(ids), (length,), generator=g)].tolist()
+        for ngram, shortest in ((3, 2), (3, 1), (1, 1), (5, 3)):
+            assert match(history, ngram, 4, shortest) == reference(history, ngram, 4, shortest), (history, ngram)
 
 
 class Fixed(Drafter):

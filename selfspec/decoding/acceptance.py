@@ -50,17 +50,21 @@ def _capped(num_accepted: torch.Tensor, max_accepted: torch.Tensor | None) -> to
     return num_accepted if max_accepted is None else torch.minimum(num_accepted, max_accepted)
 
 
-def greedy_accept(
-    draft_ids: torch.Tensor, target_ids: torch.Tensor, max_accepted: torch.Tensor | None = None
-) -> AcceptanceResult:
-    """Temperature 0. draft_ids [B, γ]; target_ids [B, γ + 1], the target argmax at each position;
-    max_accepted [B] (optional) the drafts each row really has. Accepted drafts equal the target
-    argmax, so the output is the target argmax up to and including the first mismatch (the recovered
-    token) or the bonus position."""
-    gamma = draft_ids.shape[1]
-    num_accepted = _capped(_first_rejection(draft_ids == target_ids[:, :gamma]), max_accepted)  # [B]
-    keep = torch.arange(gamma + 1, device=draft_ids.device)[None, :] <= num_accepted[:, None]  # [B, γ + 1]
-    return AcceptanceResult(torch.where(keep, target_ids, PLACEHOLDER), num_accepted)
+def greedy_accept(drafts: list[list[int]], target_ids: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Temperature 0, on the host. drafts: per row d_1..d_γb; target_ids: per row the target's argmax at
+    each verified position (at least γ_b + 1 of them). Accepted drafts equal the target argmax, so a row
+    emits the target argmax up to and including the first mismatch (the recovered token) or the bonus
+    position. -> (tokens per row, accepted per row). Python lists: the argmax is read from the device
+    once, and a few ints compare faster here than the handful of tensor ops they took (~0.15 ms a round,
+    of a ~4 ms int4 step)."""
+    tokens, accepted = [], []
+    for d, t in zip(drafts, target_ids):
+        n = 0
+        while n < len(d) and d[n] == t[n]:
+            n += 1
+        tokens.append(t[: n + 1])
+        accepted.append(n)
+    return tokens, accepted
 
 
 def rejection_sample(

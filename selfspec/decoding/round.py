@@ -15,7 +15,7 @@ import torch
 from ..errors import SelfspecError
 from ..model.cache import PagedKVCache, SequenceKV
 from ..model.decoder import DecoderModel
-from .acceptance import AcceptanceResult, greedy_accept, native_rejection_sample, rejection_sample
+from .acceptance import greedy_accept, native_rejection_sample, rejection_sample
 from .drafter import Drafter
 from .sampling import Penalties, SamplingParams, TokenLogprob, argmax, process_rows, sample_rows, token_logprobs
 
@@ -141,13 +141,11 @@ def speculative_round(model: DecoderModel, cache: PagedKVCache, step: RoundInput
     h = model.forward(x, cache, step.seqs, start=draft.resume, counts=counts, starts=p0)  # [B, γ_max + 1, hidden]
     if _argmax_only(step):
         target_logits = None
-        draft_ids, caps = _padded(draft.tokens, h.device, h.shape[1] - 1)  # [B, γ_max], [B]
-        result = greedy_accept(draft_ids, model.greedy(h), caps)
+        tokens, accepted = greedy_accept(draft.tokens, model.greedy(h).tolist())
     else:
         target_logits = model.logits(h)  # [B, γ_max + 1, vocab] raw: logprobs are taken from these
         judged = target_logits if step.penalties is None else step.penalties.verify(target_logits, draft.tokens)
-        result = _accept(draft.tokens, draft.probs, judged, step.params, step.generators)
-    tokens, accepted = result.rows()
+        tokens, accepted = _accept(draft.tokens, draft.probs, judged, step.params, step.generators)
     for b, seq in enumerate(step.seqs):
         cache.truncate(seq, p0[b] + accepted[b] + 1)  # rollback = a length edit
     drafted_per_row = [len(d) for d in draft.tokens]
@@ -196,17 +194,18 @@ def _accept(
     target_logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> AcceptanceResult:
+) -> tuple[list[list[int]], list[int]]:
     """drafts: per row d_1..d_γb; probs: per row q_1..q_γb (empty for greedy rows); target_logits
-    [B, γ_max + 1, vocab]. Rows are padded to γ_max and capped at their own γ_b."""
+    [B, γ_max + 1, vocab]. Rows are padded to γ_max and capped at their own γ_b. -> (tokens per row,
+    accepted per row)."""
+    if all(p.greedy for p in params):
+        return greedy_accept(drafts, argmax(target_logits).tolist())
     rows, vocab = target_logits.shape[0], target_logits.shape[-1]
     width, dev = target_logits.shape[1] - 1, target_logits.device
     draft_ids, caps = _padded(drafts, dev, width)
-    if all(p.greedy for p in params):
-        return greedy_accept(draft_ids, argmax(target_logits), caps)
     fast = native_rejection_sample(draft_ids, caps, probs, target_logits, params, generators)
     if fast is not None:
-        return fast
+        return fast.rows()
     q = torch.zeros(rows, width, vocab, device=dev)  # [B, γ_max, vocab]; padding stays zero, so residual = p there
     for b, d in enumerate(drafts):
         for i, t in enumerate(d):
@@ -215,4 +214,4 @@ def _accept(
             else:  # a greedy row drafted in an all-greedy pass: its q is the one-hot of its argmax
                 q[b, i, t] = 1.0
     p = process_rows(target_logits, params)  # [B, γ_max + 1, vocab]
-    return rejection_sample(draft_ids, q, p, generators, caps)
+    return rejection_sample(draft_ids, q, p, generators, caps).rows()
