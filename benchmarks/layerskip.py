@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, markdown  # noqa: E402
+from machine import describe, save  # noqa: E402
 
 from selfspec import Engine, SamplingParams  # noqa: E402
 from selfspec.data import DEV_SET  # noqa: E402
@@ -113,8 +113,6 @@ def main() -> None:
         "greedy": greedy,
         "seconds": round(time.perf_counter() - start, 1),
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"int4 self-draft ({args.dtype} target), top-1 agreement with the target's greedy answers, teacher-forced: "
         f"{len(seqs)} dev prompts, {positions} positions. All {n} layers: {full:.4f}.",
@@ -126,7 +124,7 @@ def main() -> None:
         "",
         "One layer skipped: " + ", ".join(f"{i}: {a:.3f}" for i, a in single.items()) + ".",
     ]
-    out.with_suffix(".md").write_text(markdown(machine) + "\n\n" + "\n".join(lines) + "\n")
+    save(args.out, result, lines)
 
 
 if __name__ == "__main__":

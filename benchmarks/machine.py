@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
+from pathlib import Path
 
 
 def describe(threads: int) -> dict:
@@ -43,3 +45,10 @@ def markdown(machine: dict) -> str:
         f"{machine['threads']} torch threads; torch {machine['torch']}, transformers {machine['transformers']}, "
         f"Python {machine['python']}; {machine['date']}."
     )
+
+
+def save(out: str | Path, result: dict, lines: list[str]) -> None:
+    """Writes `result` to out.json and `lines` under the machine's line (result["machine"]) to out.md."""
+    out = Path(out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result["machine"]) + "\n\n" + "\n".join(lines) + "\n")

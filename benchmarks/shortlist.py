@@ -29,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, markdown  # noqa: E402
+from machine import describe, save  # noqa: E402
 
 from selfspec import Engine, SamplingParams, SpecConfig  # noqa: E402
 from selfspec.data import DEV_SET  # noqa: E402
@@ -182,8 +182,6 @@ def main() -> None:
         "coarse": coarse,
         "draft": times,
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"{len(tokens)} teacher-forced positions ({len(prompts)} dev prompts, {args.dtype}); the draft's shortlist"
         f" on its {args.head_bits}-bit head.",
@@ -205,7 +203,7 @@ def main() -> None:
         "|---|---|---|---|",
         *(f"| {r['context']} | {r['int8_ms']} | {r['shortlist_ms']} | {r['ratio']} |" for r in times),
     ]
-    out.with_suffix(".md").write_text(markdown(machine) + "\n\n" + "\n".join(lines) + "\n")
+    save(args.out, result, lines)
 
 
 if __name__ == "__main__":

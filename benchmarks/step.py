@@ -20,7 +20,6 @@ Writes {out}.json/.md."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe, markdown  # noqa: E402
+from machine import describe, save  # noqa: E402
 
 from selfspec.calibration.roofline import zero_linears  # noqa: E402
 from selfspec.model.loader import load  # noqa: E402
@@ -115,8 +114,6 @@ def main() -> None:
     contexts = [int(n) for n in args.contexts.split(",")]
     rows = [r for c in args.configs.split(",") for r in measure(c, queries, ops, contexts, args.steps, args.repeats)]
     machine = describe(args.threads)
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
     lines = [
         "| config | backend | glue ops | context | queries | step ms | step ms, every logit | linears ms | rest ms |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -127,7 +124,7 @@ def main() -> None:
             for r in rows
         ),
     ]
-    out.with_suffix(".md").write_text(markdown(machine) + "\n\n" + "\n".join(lines) + "\n")
+    save(args.out, {"machine": machine, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

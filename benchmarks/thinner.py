@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layerskip import agreement, answers  # noqa: E402
-from machine import describe, markdown  # noqa: E402
+from machine import describe, save  # noqa: E402
 from shortlist import requantized  # noqa: E402
 
 from selfspec import Engine  # noqa: E402
@@ -109,8 +109,6 @@ def main() -> None:
         "fewer_bits": {k: round(v, 4) for k, v in fewer.items()},
         "seconds": round(time.perf_counter() - start, 1),
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"Top-1 agreement with the float32 target's greedy answers, teacher-forced: {len(seqs)} dev prompts, "
         f"{positions} positions. The int4 draft (the GGUF's own codes): {full:.4f}.",
@@ -128,7 +126,7 @@ def main() -> None:
         "|---|---|",
         *(f"| {k} | {v:.4f} |" for k, v in fewer.items()),
     ]
-    out.with_suffix(".md").write_text(markdown(machine) + "\n\n" + "\n".join(lines) + "\n")
+    save(args.out, result, lines)
 
 
 if __name__ == "__main__":
