@@ -1,14 +1,23 @@
-"""Self-speculative vs plain decoding on the Spec-Bench dev set, per category, interleaved in one run.
+"""Self-speculative vs plain decoding on the Spec-Bench dev set, per category and drafter, interleaved in
+one run, with each round's costs measured where they arise (in situ).
 
-    python benchmarks/speculative.py [--dtypes float32,bfloat16] [--configs 8:1,15:2,24:2]
+    python benchmarks/speculative.py [--dtypes float32,bfloat16] [--weights auto]
+                                     [--configs hybrid:2,int4:4,lookup:3,exit:2:10]
                                      [--per-category 1] [--new-tokens 128] [--temperature 0] [--threads 2]
 
-For each (draft layers N, γ) it reports per category the measured tokens/s ratio against plain
-decoding, acceptance α (accepted / drafted), tokens per round, the measured draft cost ratio c, and
-the analytic speedup E / (γc + 1) with E = (1 - α^(γ+1)) / (1 - α) beside the measurement. Greedy runs
-also report how often speculative output differs from plain output, and the top-2 logit gap of the
-plain model at each first divergence (a near-tie shows as a gap of a few bf16 ulps).
-Writes benchmarks/results/speculative.{json,md}."""
+A configuration is `drafter:γ[:N]` (N: the draft's layers, which `exit` and `head` need). Each prompt
+decodes plainly and with every configuration, the order reversed every other prompt. Per configuration
+and category it reports the decoding speedup over plain (tokens per second of decoding, the prefill left
+out; medians over prompts), acceptance α (accepted / drafted), tokens per round, and the round's costs
+in plain steps of the same prompts: c (a drafted token's draft time), v (a verification, with its
+acceptance and rollback) and the rest of a round's time (scheduling, stats, detokenizing). Calibration
+times c and v in isolation (`selfspec calibrate`); these are the same costs inside real rounds, whose
+drafts and verifications push each other's weights out of the caches. Beside the measured speedup:
+the tokens over the rounds' γ̄ c + v (γ̄ the mean tokens drafted a round) and a plain step for each
+step that drafted nothing (lookup without a match): what the timed parts predict, so the gap to the
+measurement is the rest. Greedy runs count outputs identical to plain and give the plain
+model's top-2 logit gap at each first divergence (a near-tie shows as a gap of a few bf16 ulps).
+Writes {--out}.json and .md (default benchmarks/results/speculative)."""
 
 from __future__ import annotations
 
@@ -17,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,16 +37,26 @@ from decode import dev_prompts  # noqa: E402
 from machine import describe, markdown  # noqa: E402
 
 from selfspec import Engine, SamplingParams, SpecConfig  # noqa: E402
-from selfspec.calibration.speedup import estimate  # noqa: E402
 from selfspec.decoding.engine import SpecStats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def predicted_speedup(alpha: float, gamma: int, c: float, verify_cost: float = 1.0) -> float:
-    """E / (γc + v): the brief's model with v = 1 (verification costs one full forward); self-speculation
-    verifies with layers [N, L) only, so the measured v is the better denominator."""
-    return estimate(alpha, gamma, c, verify_cost or 1.0).speedup
+def parse_config(text: str) -> SpecConfig:
+    """`drafter:γ[:N]` -> SpecConfig; a clear error for anything else."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError("use drafter:gamma or drafter:gamma:N")
+        layers = int(parts[2]) if len(parts) == 3 else None
+        return SpecConfig(layers, int(parts[1]), parts[0])
+    except ValueError as e:
+        raise SystemExit(f"--configs: {text!r} is invalid ({e}), e.g. hybrid:2 or exit:2:10") from None
+
+
+def label(spec: SpecConfig) -> str:
+    n = f":{spec.draft_layers}" if spec.draft_layers is not None else ""
+    return f"{spec.drafter}:{spec.num_speculative_tokens}{n}"
 
 
 @torch.inference_mode()
@@ -54,74 +72,85 @@ def top2_gap(engine: Engine, prompt_ids: list[int], prefix: list[int]) -> float:
         engine.release(req)
 
 
-def run_dtype(dtype: str, questions: list[dict], configs: list[SpecConfig], params: SamplingParams) -> dict:
-    engine = Engine.from_pretrained("default", dtype=dtype)
+def run_dtype(
+    dtype: str, weights: str, questions: list[dict], configs: list[SpecConfig], params: SamplingParams
+) -> dict:
+    engine = Engine.from_pretrained("default", dtype=dtype, weights=weights)
     engine.generate("Hello", SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    runs = [("plain", None)] + [(label(s), s) for s in configs]
     rows = []
     for i, q in enumerate(questions):
         ids = engine.encode(q["turns"][0])
-        runs = [("plain", None)] + [(f"N={s.draft_layers},g={s.num_speculative_tokens}", s) for s in configs]
         results = {}
         for name, spec in runs if i % 2 == 0 else runs[::-1]:  # alternate the order to cancel drift
-            start = time.perf_counter()
-            r = engine.generate(ids, params, speculation=spec)
-            results[name] = (r, time.perf_counter() - start)
-        plain, plain_time = results["plain"]
+            results[name] = engine.generate(ids, params, speculation=spec)
+        plain = results["plain"]
         for name, spec in runs[1:]:
-            r, t = results[name]
+            r = results[name]
             first_diff = next((j for j, (a, b) in enumerate(zip(r.token_ids, plain.token_ids)) if a != b), None)
             row = {
                 "question_id": q["question_id"],
                 "category": q["category"],
                 "config": name,
-                "draft_layers": spec.draft_layers,
-                "gamma": spec.num_speculative_tokens,
-                "plain_tok_s": len(plain.token_ids) / plain_time,
-                "spec_tok_s": len(r.token_ids) / t,
+                "plain": {k: getattr(plain.stats, k) for k in ("steps", "decode_seconds", "generated_tokens")},
+                "decode_seconds": r.stats.decode_seconds,
+                "generated_tokens": r.stats.generated_tokens,
                 "spec": r.stats.spec.to_dict(),
                 "identical": r.token_ids == plain.token_ids,
                 "first_divergence": first_diff,
             }
             if params.greedy and first_diff is not None:
                 row["plain_top2_gap_at_divergence"] = top2_gap(engine, ids, plain.token_ids[:first_diff])
-            row["ratio"] = row["spec_tok_s"] / row["plain_tok_s"]
+            row["ratio"] = _rate(row) / _rate(row["plain"])
             rows.append(row)
             s = r.stats.spec
             print(
-                f"{dtype:9s} {q['category']:15s} {name:10s} plain {row['plain_tok_s']:5.1f} tok/s  "
-                f"spec {row['spec_tok_s']:5.1f} "
-                f"ratio {row['ratio']:.2f}  alpha {s.acceptance_rate:.2f}  tok/round {s.mean_tokens_per_round:.2f}  "
-                f"c {s.draft_cost_ratio:.2f}  {'identical' if row['identical'] else f'diverges at {first_diff}'}",
+                f"{dtype:9s} {q['category']:15s} {name:10s} ratio {row['ratio']:.2f}  alpha {s.acceptance_rate:.2f}  "
+                f"tok/round {s.mean_tokens_per_round:.2f}  "
+                f"{'identical' if row['identical'] else f'diverges at {first_diff}'}",
                 flush=True,
             )
-    return {"dtype": dtype, "rows": rows, "summary": summarize(rows, configs)}
+    return {"dtype": dtype, "weights": weights, "rows": rows, "summary": summarize(rows, configs)}
+
+
+def _rate(d: dict) -> float:
+    return d["generated_tokens"] / d["decode_seconds"]
 
 
 def summarize(rows: list[dict], configs: list[SpecConfig]) -> list[dict]:
     out = []
     for spec in configs:
-        mine = [r for r in rows if r["draft_layers"] == spec.draft_layers and r["gamma"] == spec.num_speculative_tokens]
+        mine = [r for r in rows if r["config"] == label(spec)]
         for category in ["all"] + sorted({r["category"] for r in mine}):
             sel = [r for r in mine if category in ("all", r["category"])]
-            pooled = SpecStats(spec.draft_layers, spec.num_speculative_tokens)
+            pooled = SpecStats(spec.draft_layers, spec.num_speculative_tokens, spec.drafter)
             for r in sel:
                 pooled = pooled.merge(_stats(r["spec"]))
-            alpha, c = pooled.acceptance_rate, pooled.draft_cost_ratio
+            step = sum(r["plain"]["decode_seconds"] for r in sel) / sum(r["plain"]["steps"] for r in sel)
+            rounds = max(pooled.rounds, 1)
+            c = pooled.draft_seconds / max(pooled.drafted, 1) / step
+            v = pooled.verify_seconds / rounds / step
+            gamma = pooled.drafted / rounds
+            # steps that drafted nothing (the first, lookup without a match) emit one token each, as a plain
+            # step does at about a plain step's time
+            tokens = sum(r["generated_tokens"] for r in sel)
+            idle = tokens - pooled.rounds - pooled.accepted
+            spent = sum(r["decode_seconds"] for r in sel) / step  # all of it, in plain steps
+            timed = pooled.rounds * (gamma * c + v) + idle
             out.append(
                 {
-                    "draft_layers": spec.draft_layers,
-                    "gamma": spec.num_speculative_tokens,
+                    "config": label(spec),
                     "category": category,
                     "prompts": len(sel),
                     "median_ratio": statistics.median(r["ratio"] for r in sel),
-                    "acceptance": alpha,
+                    "acceptance": pooled.acceptance_rate,
                     "tokens_per_round": pooled.mean_tokens_per_round,
+                    "mean_gamma": gamma,
                     "c": c,
-                    "verify_cost": pooled.verify_cost_ratio,
-                    "predicted_speedup": predicted_speedup(alpha, spec.num_speculative_tokens, c),
-                    "predicted_speedup_measured_verify": predicted_speedup(
-                        alpha, spec.num_speculative_tokens, c, pooled.verify_cost_ratio
-                    ),
+                    "verify_cost": v,
+                    "plain_steps": idle / max(idle + pooled.rounds, 1),
+                    "rest": (spent - timed) / rounds,
+                    "predicted_speedup": tokens / timed if timed else 0.0,
                     "identical": sum(r["identical"] for r in sel),
                 }
             )
@@ -133,34 +162,38 @@ def _stats(d: dict) -> SpecStats:
     return SpecStats(**{k: v for k, v in d.items() if k in keys})
 
 
-def write_results(out_dir: Path, result: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "speculative.json").write_text(json.dumps(result, indent=2))
+def write_results(out: Path, result: dict) -> None:
+    """{out}.json and {out}.md."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     lines = [
-        "# Self-speculative vs plain decoding (Spec-Bench dev)",
+        "# Self-speculative vs plain decoding (Spec-Bench dev), costs in situ",
         "",
         markdown(result["machine"]),
-        f"Default model (SmolLM2-135M-Instruct, 30 layers, untrained early exits), temperature "
-        f"{result['temperature']}, {result['new_tokens']} new tokens, EOS ignored, {result['per_category']} "
-        "prompt(s) per category; plain and speculative runs interleaved prompt by prompt. Ratio = speculative "
-        "tokens/s over plain tokens/s (median over prompts); α = accepted / drafted; c = one draft step over "
-        "one plain step, both measured; v = one verification over one plain step; predicted = E / (γc + 1) "
-        "(the brief's model), and E / (γc + v) with the measured v (verification runs only layers [N, L)).",
+        f"Default model (SmolLM2-135M-Instruct), temperature {result['temperature']}, {result['new_tokens']} new "
+        f"tokens, EOS ignored, {result['per_category']} prompt(s) per category; plain and speculative runs "
+        "interleaved prompt by prompt. Speedup: decoding tokens/s over plain's (the prefill left out; median over "
+        "prompts). α = accepted / drafted; γ̄ = tokens drafted a round; c, v and rest in steps of plain "
+        "decoding of the same prompts: a drafted token's draft time, a verification (with acceptance and "
+        "rollback), the rest of a round's time; plain steps: the share of steps that drafted nothing (the "
+        "first, lookup without a match), counted as a plain step each; timed = all tokens over the rounds' "
+        "γ̄ c + v and those steps, what the timers alone predict.",
     ]
     for r in result["dtypes"]:
         lines += [
             "",
-            f"## {r['dtype']}",
+            f"## {r['dtype']} activations, {r['weights']} weights",
             "",
-            "| N | γ | category | prompts | measured ratio | α | tokens/round | c | v | "
-            "predicted E/(γc+1) | predicted E/(γc+v) | identical to plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| config | category | prompts | speedup | α | tokens/round | γ̄ | plain steps | c | v | rest | timed "
+            "| identical |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for s in r["summary"]:
             lines.append(
-                f"| {s['draft_layers']} | {s['gamma']} | {s['category']} | {s['prompts']} | {s['median_ratio']:.2f} | "
-                f"{s['acceptance']:.3f} | {s['tokens_per_round']:.2f} | {s['c']:.2f} | {s['verify_cost']:.2f} | "
-                f"{s['predicted_speedup']:.2f} | {s['predicted_speedup_measured_verify']:.2f} | "
+                f"| {s['config']} | {s['category']} | {s['prompts']} | {s['median_ratio']:.2f}x | "
+                f"{s['acceptance']:.3f} | {s['tokens_per_round']:.2f} | {s['mean_gamma']:.2f} | "
+                f"{s['plain_steps']:.0%} | {s['c']:.2f} | {s['verify_cost']:.2f} | {s['rest']:.2f} | "
+                f"{s['predicted_speedup']:.2f}x | "
                 f"{s['identical']}/{s['prompts']} |"
             )
         gaps = [row for row in r["rows"] if "plain_top2_gap_at_divergence" in row]
@@ -175,23 +208,23 @@ def write_results(out_dir: Path, result: dict) -> None:
                 f"gap {g['plain_top2_gap_at_divergence']:.4f}"
                 for g in gaps
             ]
-    (out_dir / "speculative.md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--configs", default="8:1,15:2,24:2", help="comma-separated N:gamma pairs")
+    ap.add_argument("--weights", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"])
+    ap.add_argument("--configs", default="hybrid:2,int4:4,lookup:3", help="comma-separated drafter:gamma[:N]")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "speculative")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    configs = [SpecConfig(*map(int, c.split(":"))) for c in args.configs.split(",")]
-    categories = 13
-    questions = dev_prompts(categories * args.per_category)
+    configs = [parse_config(c) for c in args.configs.split(",")]
+    questions = dev_prompts(13 * args.per_category)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True, seed=0)
     result = {
         "benchmark": "speculative",
@@ -199,17 +232,17 @@ def main() -> None:
         "temperature": args.temperature,
         "new_tokens": args.new_tokens,
         "per_category": args.per_category,
-        "dtypes": [run_dtype(d, questions, configs, params) for d in args.dtypes.split(",")],
+        "dtypes": [run_dtype(d, args.weights, questions, configs, params) for d in args.dtypes.split(",")],
     }
     write_results(args.out, result)
     for r in result["dtypes"]:
         for s in r["summary"]:
             if s["category"] == "all":
                 print(
-                    f"{r['dtype']} N={s['draft_layers']} gamma={s['gamma']}: measured {s['median_ratio']:.2f}x, "
-                    f"predicted {s['predicted_speedup']:.2f}x (v=1) / {s['predicted_speedup_measured_verify']:.2f}x "
-                    f"(v={s['verify_cost']:.2f}), alpha {s['acceptance']:.3f}, c {s['c']:.2f}, "
-                    f"identical {s['identical']}/{s['prompts']}"
+                    f"{r['dtype']} {s['config']}: {s['median_ratio']:.2f}x plain (timed parts predict "
+                    f"{s['predicted_speedup']:.2f}x), alpha {s['acceptance']:.3f}, {s['tokens_per_round']:.2f} tokens "
+                    f"a round, c {s['c']:.2f}, v {s['verify_cost']:.2f}, rest {s['rest']:.2f} steps, identical "
+                    f"{s['identical']}/{s['prompts']}"
                 )
 
 
