@@ -1720,10 +1720,15 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
         return;
     }
 #endif
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t g = 0; g < (panels + span - 1) / span; g++)
-        for (int64_t p = g * span; p < (g + 1) * span && p < panels;) {
-            int np = panels - p >= span ? (int)span : 1; /* a short last group: one panel at a time */
+    /* Each thread an even, contiguous share of the panels, in groups of `span` and then one panel at a
+     * time: whole groups split unevenly where their count is odd (the default model's o and down
+     * projections are 9 groups of 4 panels for one row: 5 on one thread, 4 on the other). */
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t part = thread_number(), parts = team_size();
+        int64_t last = panels * (part + 1) / parts;
+        for (int64_t p = panels * part / parts; p < last;) {
+            int np = last - p >= span ? (int)span : 1; /* a short last group: one panel at a time */
             const void *wp = (const char *)w + p * bytes;
             int64_t cols = out - p * PANEL;
             const char *following = stream && p + 1 < panels ? (const char *)wp + bytes : NULL;
@@ -1747,6 +1752,7 @@ static inline __attribute__((always_inline)) void over_panels(const float *x, co
             free(own);
             p += np;
         }
+    }
 }
 
 /* x [rows, in] float32, w: code panels of `bits` 4 or 8 (above) -> y [rows, out] float32; in % 32 == 0. */
