@@ -6,17 +6,19 @@ one run, with each round's costs measured where they arise (in situ).
                                      [--per-category 1] [--new-tokens 128] [--temperature 0] [--threads 2]
 
 A configuration is `drafter:γ[:N]` (N: the draft's layers, which `exit` and `head` need). Each prompt
-decodes plainly and with every configuration, the order reversed every other prompt. Per configuration
-and category it reports the decoding speedup over plain (tokens per second of decoding, the prefill left
-out; medians over prompts), acceptance α (accepted / drafted), tokens per round, and the round's costs
-in plain steps of the same prompts: c (a drafted token's draft time), v (a verification, with its
-acceptance and rollback) and the rest of a round's time (scheduling, stats, detokenizing). Calibration
-times c and v in isolation (`selfspec calibrate`); these are the same costs inside real rounds, whose
-drafts and verifications push each other's weights out of the caches. Beside the measured speedup:
-the tokens over the rounds' γ̄ c + v (γ̄ the mean tokens drafted a round) and a plain step for each
-step that drafted nothing (lookup without a match): what the timed parts predict, so the gap to the
-measurement is the rest. Greedy runs count outputs identical to plain and give the plain
-model's top-2 logit gap at each first divergence (a near-tie shows as a gap of a few bf16 ulps).
+decodes plainly and with every configuration, the order reversed every other prompt. Times are
+`generate`'s wall time less its prefill, so a step counts the Python around it too. Per configuration
+and category it reports the decoding speedup over plain (median over prompts), acceptance α (accepted /
+drafted), tokens per round, and a round's costs in plain steps of the same prompts (a plain step: plain
+decoding's time over its steps): c (a drafted token's draft time), v (a verification, with its
+acceptance and rollback) and the rest of a round's time (whatever lies outside the round's two timers:
+the engine's step, stats, detokenizing, streaming). Calibration times c and v in isolation (`selfspec
+calibrate`); these are the same costs inside real rounds, whose drafts and verifications push each
+other's weights out of the caches. Beside the measured speedup, what the two timers predict: the tokens
+over the rounds' γ̄ c + v (γ̄ the mean tokens drafted a round) and a plain step for each step that
+drafted nothing (the first, lookup without a match). Greedy runs count outputs identical to plain and
+give the plain model's top-2 logit gap at each first divergence (a near-tie shows as a gap of a few
+bf16 ulps).
 Writes {--out}.json and .md (default benchmarks/results/speculative)."""
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,25 +79,28 @@ def run_dtype(
     dtype: str, weights: str, questions: list[dict], configs: list[SpecConfig], params: SamplingParams
 ) -> dict:
     engine = Engine.from_pretrained("default", dtype=dtype, weights=weights)
-    engine.generate("Hello", SamplingParams(temperature=0, max_tokens=8))  # warm-up
     runs = [("plain", None)] + [(label(s), s) for s in configs]
+    for _, spec in runs:  # warm-up, which also loads each drafter (the first int4 draft builds its copy)
+        engine.generate("Hello", SamplingParams(temperature=0, max_tokens=8), speculation=spec)
     rows = []
     for i, q in enumerate(questions):
         ids = engine.encode(q["turns"][0])
         results = {}
         for name, spec in runs if i % 2 == 0 else runs[::-1]:  # alternate the order to cancel drift
-            results[name] = engine.generate(ids, params, speculation=spec)
-        plain = results["plain"]
+            start = time.perf_counter()
+            r = engine.generate(ids, params, speculation=spec)
+            results[name] = r, time.perf_counter() - start - r.stats.prefill_seconds
+        plain, plain_seconds = results["plain"]
         for name, spec in runs[1:]:
-            r = results[name]
+            r, seconds = results[name]
             first_diff = next((j for j, (a, b) in enumerate(zip(r.token_ids, plain.token_ids)) if a != b), None)
             row = {
                 "question_id": q["question_id"],
                 "category": q["category"],
                 "config": name,
-                "plain": {k: getattr(plain.stats, k) for k in ("steps", "decode_seconds", "generated_tokens")},
-                "decode_seconds": r.stats.decode_seconds,
-                "generated_tokens": r.stats.generated_tokens,
+                "plain": {"steps": plain.stats.steps, "seconds": plain_seconds, "tokens": plain.stats.generated_tokens},
+                "seconds": seconds,  # generate's wall time less the prefill: decoding and all around it
+                "tokens": r.stats.generated_tokens,
                 "spec": r.stats.spec.to_dict(),
                 "identical": r.token_ids == plain.token_ids,
                 "first_divergence": first_diff,
@@ -114,7 +120,7 @@ def run_dtype(
 
 
 def _rate(d: dict) -> float:
-    return d["generated_tokens"] / d["decode_seconds"]
+    return d["tokens"] / d["seconds"]
 
 
 def summarize(rows: list[dict], configs: list[SpecConfig]) -> list[dict]:
@@ -126,16 +132,16 @@ def summarize(rows: list[dict], configs: list[SpecConfig]) -> list[dict]:
             pooled = SpecStats(spec.draft_layers, spec.num_speculative_tokens, spec.drafter)
             for r in sel:
                 pooled = pooled.merge(_stats(r["spec"]))
-            step = sum(r["plain"]["decode_seconds"] for r in sel) / sum(r["plain"]["steps"] for r in sel)
+            step = sum(r["plain"]["seconds"] for r in sel) / sum(r["plain"]["steps"] for r in sel)
             rounds = max(pooled.rounds, 1)
             c = pooled.draft_seconds / max(pooled.drafted, 1) / step
             v = pooled.verify_seconds / rounds / step
             gamma = pooled.drafted / rounds
             # steps that drafted nothing (the first, lookup without a match) emit one token each, as a plain
             # step does at about a plain step's time
-            tokens = sum(r["generated_tokens"] for r in sel)
+            tokens = sum(r["tokens"] for r in sel)
             idle = tokens - pooled.rounds - pooled.accepted
-            spent = sum(r["decode_seconds"] for r in sel) / step  # all of it, in plain steps
+            spent = sum(r["seconds"] for r in sel) / step  # all of it, in plain steps
             timed = pooled.rounds * (gamma * c + v) + idle
             out.append(
                 {
@@ -172,12 +178,13 @@ def write_results(out: Path, result: dict) -> None:
         markdown(result["machine"]),
         f"Default model (SmolLM2-135M-Instruct), temperature {result['temperature']}, {result['new_tokens']} new "
         f"tokens, EOS ignored, {result['per_category']} prompt(s) per category; plain and speculative runs "
-        "interleaved prompt by prompt. Speedup: decoding tokens/s over plain's (the prefill left out; median over "
-        "prompts). α = accepted / drafted; γ̄ = tokens drafted a round; c, v and rest in steps of plain "
-        "decoding of the same prompts: a drafted token's draft time, a verification (with acceptance and "
-        "rollback), the rest of a round's time; plain steps: the share of steps that drafted nothing (the "
-        "first, lookup without a match), counted as a plain step each; timed = all tokens over the rounds' "
-        "γ̄ c + v and those steps, what the timers alone predict.",
+        "interleaved prompt by prompt; times are generate's wall time less the prefill. Speedup: decoding "
+        "tokens/s over plain's (median over prompts). α = accepted / drafted; γ̄ = tokens drafted a round; c, v "
+        "and rest in plain steps (plain decoding's time over its steps, Python around the forward included): a "
+        "drafted token's draft time, a verification (with acceptance and rollback), the rest of a round's time "
+        "(outside those two timers); plain steps: the share of steps that drafted nothing (the first, lookup "
+        "without a match), counted as a plain step each; timed = all tokens over the rounds' γ̄ c + v and "
+        "those steps, what the two timers predict.",
     ]
     for r in result["dtypes"]:
         lines += [

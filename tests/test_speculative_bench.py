@@ -41,9 +41,9 @@ def row(
     return {
         "category": category,
         "config": config,
-        "plain": {"steps": 10, "decode_seconds": 0.1, "generated_tokens": 10},
-        "decode_seconds": decode,
-        "generated_tokens": generated,
+        "plain": {"steps": 10, "seconds": 0.1, "tokens": 10},
+        "seconds": decode,
+        "tokens": generated,
         "spec": {
             "draft_layers": None,
             "num_speculative_tokens": gamma,
