@@ -2,12 +2,14 @@
 one run, with each round's costs measured where they arise (in situ).
 
     python benchmarks/speculative.py [--dtypes float32,bfloat16] [--weights auto]
-                                     [--configs hybrid:2,int4:4,lookup:3,exit:2:10]
+                                     [--configs policy,hybrid:2,int4:4,lookup:3,exit:2:10]
                                      [--per-category 1] [--new-tokens 128] [--temperature 0] [--threads 2]
 
-A configuration is `drafter:γ[:N]` (N: the draft's layers, which `exit` and `head` need). Each prompt
-decodes plainly and with every configuration, the order reversed every other prompt. Times are
-`generate`'s wall time less its prefill, so a step counts the Python around it too. Per configuration
+A configuration is `drafter:γ[:N]` (N: the draft's layers, which `exit` and `head` need), or `policy`:
+what the engine's calibrated policy picks for each request by its category (steps it keeps plain count
+as plain steps). Each prompt decodes plainly and with every configuration, the order reversed every
+other prompt. Times are `generate`'s wall time less its prefill, so a step counts the Python around it
+too. Per configuration
 and category it reports the decoding speedup over plain (median over prompts), acceptance α (accepted /
 drafted), tokens per round, and a round's costs in plain steps of the same prompts (a plain step: plain
 decoding's time over its steps): c (a drafted token's draft time), v (a verification, with its
@@ -45,8 +47,11 @@ from selfspec.decoding.engine import SpecStats  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_config(text: str) -> SpecConfig:
-    """`drafter:γ[:N]` -> SpecConfig; a clear error for anything else."""
+def parse_config(text: str) -> SpecConfig | str:
+    """`drafter:γ[:N]` -> SpecConfig, `policy` -> "auto" (the engine's calibrated policy per request); a
+    clear error for anything else."""
+    if text == "policy":
+        return "auto"
     parts = text.split(":")
     try:
         if len(parts) not in (2, 3):
@@ -54,10 +59,12 @@ def parse_config(text: str) -> SpecConfig:
         layers = int(parts[2]) if len(parts) == 3 else None
         return SpecConfig(layers, int(parts[1]), parts[0])
     except ValueError as e:
-        raise SystemExit(f"--configs: {text!r} is invalid ({e}), e.g. hybrid:2 or exit:2:10") from None
+        raise SystemExit(f"--configs: {text!r} is invalid ({e}), e.g. hybrid:2, exit:2:10 or policy") from None
 
 
-def label(spec: SpecConfig) -> str:
+def label(spec: SpecConfig | str) -> str:
+    if isinstance(spec, str):
+        return "policy"
     n = f":{spec.draft_layers}" if spec.draft_layers is not None else ""
     return f"{spec.drafter}:{spec.num_speculative_tokens}{n}"
 
@@ -76,7 +83,7 @@ def top2_gap(engine: Engine, prompt_ids: list[int], prefix: list[int]) -> float:
 
 
 def run_dtype(
-    dtype: str, weights: str, questions: list[dict], configs: list[SpecConfig], params: SamplingParams
+    dtype: str, weights: str, questions: list[dict], configs: list[SpecConfig | str], params: SamplingParams
 ) -> dict:
     engine = Engine.from_pretrained("default", dtype=dtype, weights=weights)
     runs = [("plain", None)] + [(label(s), s) for s in configs]
@@ -88,7 +95,7 @@ def run_dtype(
         results = {}
         for name, spec in runs if i % 2 == 0 else runs[::-1]:  # alternate the order to cancel drift
             start = time.perf_counter()
-            r = engine.generate(ids, params, speculation=spec)
+            r = engine.generate(ids, params, speculation=spec, category=q["category"])  # the policy's bucket
             results[name] = r, time.perf_counter() - start - r.stats.prefill_seconds
         plain, plain_seconds = results["plain"]
         for name, spec in runs[1:]:
@@ -101,7 +108,7 @@ def run_dtype(
                 "plain": {"steps": plain.stats.steps, "seconds": plain_seconds, "tokens": plain.stats.generated_tokens},
                 "seconds": seconds,  # generate's wall time less the prefill: decoding and all around it
                 "tokens": r.stats.generated_tokens,
-                "spec": r.stats.spec.to_dict(),
+                "spec": r.stats.spec.to_dict() if r.stats.spec else None,  # None: the policy kept it plain
                 "identical": r.token_ids == plain.token_ids,
                 "first_divergence": first_diff,
             }
@@ -110,12 +117,9 @@ def run_dtype(
             row["ratio"] = _rate(row) / _rate(row["plain"])
             rows.append(row)
             s = r.stats.spec
-            print(
-                f"{dtype:9s} {q['category']:15s} {name:10s} ratio {row['ratio']:.2f}  alpha {s.acceptance_rate:.2f}  "
-                f"tok/round {s.mean_tokens_per_round:.2f}  "
-                f"{'identical' if row['identical'] else f'diverges at {first_diff}'}",
-                flush=True,
-            )
+            counts = f"alpha {s.acceptance_rate:.2f}  tok/round {s.mean_tokens_per_round:.2f}" if s else "plain"
+            same = "identical" if row["identical"] else f"diverges at {first_diff}"
+            print(f"{dtype:9s} {q['category']:15s} {name:10s} ratio {row['ratio']:.2f}  {counts}  {same}", flush=True)
     return {"dtype": dtype, "weights": weights, "rows": rows, "summary": summarize(rows, configs)}
 
 
@@ -123,15 +127,16 @@ def _rate(d: dict) -> float:
     return d["tokens"] / d["seconds"]
 
 
-def summarize(rows: list[dict], configs: list[SpecConfig]) -> list[dict]:
+def summarize(rows: list[dict], configs: list[SpecConfig | str]) -> list[dict]:
     out = []
     for spec in configs:
         mine = [r for r in rows if r["config"] == label(spec)]
         for category in ["all"] + sorted({r["category"] for r in mine}):
             sel = [r for r in mine if category in ("all", r["category"])]
-            pooled = SpecStats(spec.draft_layers, spec.num_speculative_tokens, spec.drafter)
+            pooled = SpecStats(None, 1, label(spec))  # the counters only (the policy's rows differ in γ)
             for r in sel:
-                pooled = pooled.merge(_stats(r["spec"]))
+                if r["spec"] is not None:
+                    pooled = pooled.merge(_stats(r["spec"]))
             step = sum(r["plain"]["seconds"] for r in sel) / sum(r["plain"]["steps"] for r in sel)
             rounds = max(pooled.rounds, 1)
             c = pooled.draft_seconds / max(pooled.drafted, 1) / step
@@ -222,7 +227,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--weights", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"])
-    ap.add_argument("--configs", default="hybrid:2,int4:4,lookup:3", help="comma-separated drafter:gamma[:N]")
+    ap.add_argument(
+        "--configs", default="policy,hybrid:2,int4:4,lookup:3", help="comma-separated drafter:gamma[:N] or policy"
+    )
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

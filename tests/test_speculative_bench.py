@@ -88,3 +88,17 @@ def test_categories_pool_into_all(bench):
 def test_a_bad_config_names_itself(bench, text):
     with pytest.raises(SystemExit, match="--configs"):
         bench.parse_config(text)
+
+
+def test_policy_rows_kept_plain_count_as_plain_steps(bench):
+    """`policy` rows: one speculated (2 rounds of γ 2, all kept), one the policy kept plain (no counters)."""
+    on = row("qa", "policy", rounds=2, drafted=4, accepted=4, draft=0.016, verify=0.024, decode=0.05, generated=7)
+    off = row("qa", "policy", rounds=0, drafted=0, accepted=0, draft=0.0, verify=0.0, decode=0.1, generated=10)
+    off["spec"] = None
+    assert bench.parse_config("policy") == "auto" and bench.label("auto") == "policy"
+    (s,) = [s for s in bench.summarize([on, off], ["auto"]) if s["category"] == "all"]
+    # 17 tokens: 6 from 2 rounds, 11 from steps that drafted nothing (1 + 10)
+    assert s["plain_steps"] == pytest.approx(11 / 13)
+    assert s["acceptance"] == pytest.approx(1.0)
+    # timed: 2 * (2 * 0.4 + 1.2) + 11 = 15 steps for 17 tokens
+    assert s["predicted_speedup"] == pytest.approx(17 / 15)
