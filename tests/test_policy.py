@@ -147,19 +147,22 @@ def test_a_profile_from_another_machine_is_not_trusted_silently():
 
 def test_only_the_instruction_sets_among_the_flags_make_a_profile_foreign():
     """Two VMs of one CPU model were seen to differ in mitigation flags alone: a profile with this machine's
-    instruction sets is trusted whatever its other flags; another instruction set, or a profile from before
-    `isa` was recorded whose flags differ, is foreign."""
-    from selfspec.kernels.cache import isa
+    instruction sets is trusted whatever its other flags; another instruction set is foreign. Older profiles
+    compare what they recorded: `isa` (which took x86's fpu, smep and sme too), or before it every flag."""
+    from selfspec.kernels.cache import isa, legacy_isa
 
-    assert (
-        isa("fpu vme md_clear avx2 hypervisor amx_bf16 avx512f flush_l1d sse4_2") == "amx_bf16 avx2 avx512f fpu sse4_2"
-    )
+    line = "fpu vme md_clear avx2 hypervisor amx_bf16 avx512f flush_l1d sse4_2 smep sme sha_ni"
+    assert isa(line, "x86_64") == "amx_bf16 avx2 avx512f sha_ni sse4_2"  # not fpu, smep, nor AMD's sme
+    assert legacy_isa(line) == "amx_bf16 avx2 avx512f fpu sha_ni sme smep sse4_2"  # what older profiles hashed
+    assert isa("fp asimd evtstrm sve sme i8mm cpuid", "aarch64") == "asimd fp i8mm sme sve"  # Arm's SME
     profile = synthetic_profile()
-    profile.machine = dict(profile.machine, flags="0123456789ab")
-    assert SpecPolicy(profile).foreign is None
-    profile.machine["isa"] = "ba9876543210"
-    assert "isa 'ba9876543210'" in SpecPolicy(profile).foreign
-    del profile.machine["isa"]
+    profile.machine = dict(profile.machine, flags="0123456789ab", isa="0123456789ab")
+    assert SpecPolicy(profile).foreign is None  # the instruction sets agree: other flags and `isa` do not count
+    profile.machine["instruction_sets"] = "ba9876543210"
+    assert "instruction_sets 'ba9876543210'" in SpecPolicy(profile).foreign
+    del profile.machine["instruction_sets"]  # a profile from before them compares `isa`
+    assert "isa '0123456789ab'" in SpecPolicy(profile).foreign
+    del profile.machine["isa"]  # and one from before `isa`, every flag
     assert "flags '0123456789ab'" in SpecPolicy(profile).foreign
 
 

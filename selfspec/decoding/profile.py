@@ -117,7 +117,9 @@ def machine_differences(machine: dict, backend: str | None = None) -> list[str]:
     the kernel backend of the model's linears where `backend` is given (a profile from before the
     profiles named it was measured on `native`, the only float backend `auto` picked then)."""
     here = machine_key()
-    flags = "isa" if "isa" in machine else "flags"  # a profile from before `isa` compared every flag
+    # the instruction sets; a profile from before they were told apart per architecture compares the
+    # older `isa` (which took x86's fpu and smep too), one from before `isa` every flag
+    flags = "instruction_sets" if "instruction_sets" in machine else "isa" if "isa" in machine else "flags"
     units = ("capability",) if "capability" in machine else ()  # the oldest profiles lack it
     diffs = [
         f"{k} {machine.get(k)!r} here {here[k]!r}"

@@ -25,7 +25,7 @@ import torch
 from . import native
 from .base import Linear
 from .cache import cpu as cache_cpu
-from .cache import isa
+from .cache import isa, legacy_isa
 from .dense import Dense
 from .int4 import Int4
 from .int8 import CUDA_NOTE as INT8_CUDA_NOTE
@@ -178,7 +178,8 @@ def machine_key() -> dict:
     return {
         "cpu": cpu,
         "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
-        "isa": hashlib.sha256(isa(flags).encode()).hexdigest()[:12],  # the instruction sets alone
+        "isa": hashlib.sha256(legacy_isa(flags).encode()).hexdigest()[:12],  # what older profiles compare
+        "instruction_sets": hashlib.sha256(isa(flags).encode()).hexdigest()[:12],  # the instruction sets alone
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
