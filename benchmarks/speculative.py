@@ -26,7 +26,6 @@ Writes {--out}.json and .md (default benchmarks/results/speculative)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import dev_prompts  # noqa: E402
-from machine import describe, markdown  # noqa: E402
+from machine import describe, save  # noqa: E402
 
 from selfspec import Engine, SamplingParams, SpecConfig  # noqa: E402
 from selfspec.decoding.engine import SpecStats  # noqa: E402
@@ -174,13 +173,11 @@ def _stats(d: dict) -> SpecStats:
 
 
 def write_results(out: Path, result: dict) -> None:
-    """{out}.json and {out}.md."""
+    """{out}.json and {out}.md (machine.save)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     lines = [
         "# Self-speculative vs plain decoding (Spec-Bench dev), costs in situ",
         "",
-        markdown(result["machine"]),
         f"Default model (SmolLM2-135M-Instruct), temperature {result['temperature']}, {result['new_tokens']} new "
         f"tokens, EOS ignored, {result['per_category']} prompt(s) per category; plain and speculative runs "
         "interleaved prompt by prompt; times are generate's wall time less the prefill. Speedup: decoding "
@@ -220,7 +217,7 @@ def write_results(out: Path, result: dict) -> None:
                 f"gap {g['plain_top2_gap_at_divergence']:.4f}"
                 for g in gaps
             ]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    save(out, result, lines)
 
 
 def main() -> None:
