@@ -237,7 +237,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.req.prefilled]
         speculate = self.engine.policy.allows_batch(len(decoding))  # as _decode will ask
         gammas = self.engine.gammas([s.req for s in decoding], speculate=speculate)
-        plan = {id(s): min(g + 1, s.req.max_length - s.req.kv.length) for s, g in zip(decoding, gammas)}
+        plan = {id(s): self._writes(s, g) for s, g in zip(decoding, gammas)}
         idle = not plan  # nobody is streaming: larger chunks, no token budget
         budget = max(self.prefill_budget - sum(plan.values()), self.cache.block_size)
         for sub in self.running:
@@ -265,8 +265,13 @@ class Scheduler:
     def _lookahead(self, sub: Submission) -> int:
         """Positions a decoding request may write in a round at most (its input + γ drafts), within its
         length: what admission reserves, since a later, smaller batch may speculate."""
-        config, req = sub.req.spec_config, sub.req
-        return min((config.num_speculative_tokens if config else 0) + 1, req.max_length - req.kv.length)
+        config = sub.req.spec_config
+        return self._writes(sub, config.num_speculative_tokens if config else 0)
+
+    @staticmethod
+    def _writes(sub: Submission, gamma: int) -> int:
+        """Positions a round of γ drafts writes for a request (its input + the drafts), within its length."""
+        return min(gamma + 1, sub.req.max_length - sub.req.kv.length)
 
     def _reserved(self) -> int:
         """Blocks the running requests will take soon: the rest of a prompt and one round, or one round."""
