@@ -2163,8 +2163,13 @@ static inline __attribute__((always_inline)) __m256i dot32(const __m256i *c, con
  * bytes, chunk k byte 4 * o + t holding column o's codes 4 (k + 2 s) + t in bits 2 s, 2 s + 1 (s = 0 .. 3),
  * then the 16 float16 scales and the 16 offsets: 3 bits a weight, where the 4-bit panels take 5. AVX-512. */
 #define Q2_PANEL_GROUP 192
+/* Bytes a tile prefetches ahead of its reads. 8 KB: on a 2-core Xeon with AMX (Sapphire Rapids class),
+ * benchmarks/linears.c mode 2 (the int4 layers and the int8 head from memory, 2 threads, four rounds
+ * alternating) took 2.66-3.33 ms a row against 3.41-3.86 at 2 KB, and an int4 draft token (bf16 target,
+ * γ 4, 100-token context, three rounds alternating) 2.57-3.14 against 3.48-3.68 ms. 0-8 KB were within
+ * noise on an AMD EPYC Zen 4 and an AVX-512 Xeon without AMX (HISTORY.md, sessions 2 and 23). */
 #ifndef Q4_AHEAD
-#define Q4_AHEAD 2048 /* bytes a tile prefetches ahead of its reads (as linear_dense's AHEAD) */
+#define Q4_AHEAD 8192
 #endif
 enum { Q4_OWN, Q4_CODES, Q4_PAIR_CODES, Q2_OWN }; /* the panels' layout: native_dot.py's, codes4, pair_codes4,
                                                      native_int2.py's */
@@ -2368,7 +2373,7 @@ void linear_q2_i8(const float *x, const uint8_t *panels, float *y, int64_t rows,
  * the scale per column multiplies the row's float sum at the end. */
 #define Q8_PANEL_BLOCK 512
 #ifndef Q8_AHEAD
-#define Q8_AHEAD 2048
+#define Q8_AHEAD 8192 /* as Q4_AHEAD */
 #endif
 
 #ifdef __AVX512BW__
