@@ -175,11 +175,15 @@ def _fastest(
 def machine_key() -> dict:
     """What a cached measurement is valid for."""
     cpu, flags = cache_cpu()
+
+    def digest(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
     return {
         "cpu": cpu,
-        "flags": hashlib.sha256(flags.encode()).hexdigest()[:12],
-        "isa": hashlib.sha256(legacy_isa(flags).encode()).hexdigest()[:12],  # what older profiles compare
-        "instruction_sets": hashlib.sha256(isa(flags).encode()).hexdigest()[:12],  # the instruction sets alone
+        "flags": digest(flags),
+        "isa": digest(legacy_isa(flags)),  # what older profiles compare
+        "instruction_sets": digest(isa(flags)),  # the instruction sets alone
         "capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
